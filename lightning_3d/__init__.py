@@ -1,0 +1,28 @@
+"""lightning_3d: 3D parallelism (data x tensor x pipeline, ZeRO) as a PyTorch Lightning strategy.
+
+Importing this package registers the strategy name ``"3d"``, so ``Trainer(strategy="3d")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_3d.config import ParallelConfig
+from lightning_3d.strategy import ThreeDParallelStrategy
+from lightning_3d.topology import Coordinates, ParallelDims, Topology
+
+__version__ = "0.1.0"
+
+StrategyRegistry.register(
+    ThreeDParallelStrategy.strategy_name,
+    ThreeDParallelStrategy,
+    description="lightning_3d: data x tensor x pipeline parallel with ZeRO",
+    override=True,
+)
+
+__all__ = [
+    "Coordinates",
+    "ParallelConfig",
+    "ParallelDims",
+    "ThreeDParallelStrategy",
+    "Topology",
+    "__version__",
+]

@@ -1,0 +1,131 @@
+"""Token streams: the Python standard library as bytes, and memory-mapped token files.
+
+The default corpus is real text that every machine with Python has: the ``.py`` files of the
+standard library, read as bytes (vocabulary 256) in sorted path order, so every rank and every
+run sees the same stream without downloading anything.
+
+Token files are raw little-endian ``uint16`` or ``uint32`` arrays (``NAME.bin``) with a small
+JSON sidecar (``NAME.bin.json``: dtype, vocab size, token count, tokenizer), memory-mapped so
+that corpora larger than RAM work and ranks share the page cache.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+DEFAULT_MAX_BYTES = 8 * 2**20
+
+
+def stdlib_source_files() -> list[Path]:
+    """The standard library's ``.py`` files in a deterministic order (installed packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_bytes(max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+    """The first ``max_bytes`` bytes of the concatenated standard-library sources, as ``uint8``."""
+    chunks, total = [], 0
+    for path in stdlib_source_files():
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    stream = b"".join(chunks)[:max_bytes]
+    if len(stream) < 2:
+        raise RuntimeError("No standard-library sources found to build the default byte corpus.")
+    return np.frombuffer(stream, dtype=np.uint8)
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``block_size + 1`` tokens as ``(input_ids, targets)`` pairs."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be positive.")
+        if len(tokens) < block_size + 1:
+            raise ValueError(f"{len(tokens)} tokens are too few for one window of block_size={block_size} + 1.")
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.block_size
+        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Train on the head of the stream, validate on its tail (no overlap)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1.")
+    cut = int(len(tokens) * (1.0 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+# -- memory-mapped token files --------------------------------------------------------------
+def _meta_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def read_token_file(path: Union[str, Path]) -> tuple[np.ndarray, dict]:
+    """Memory-map a token file written by :func:`write_token_file`; returns (tokens, metadata)."""
+    path = Path(path)
+    meta_file = _meta_path(path)
+    if not path.is_file() or not meta_file.is_file():
+        raise FileNotFoundError(
+            f"token file {path} (and its {meta_file.name}) not found; create one with "
+            f"`lightning-3d prepare {path} <text files or directories>`."
+        )
+    meta = json.loads(meta_file.read_text())
+    tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+    if len(tokens) != meta["num_tokens"]:
+        raise ValueError(f"{path} holds {len(tokens)} tokens but {meta_file.name} says {meta['num_tokens']}.")
+    return tokens, meta
+
+
+def write_token_file(tokens: np.ndarray, path: Union[str, Path], vocab_size: int, tokenizer: str) -> dict:
+    """Write ``tokens`` with the smallest of uint16/uint32 that holds ``vocab_size``."""
+    path = Path(path)
+    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(tokens, dtype=dtype).tofile(path)
+    meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "num_tokens": int(len(tokens)), "tokenizer": tokenizer}
+    _meta_path(path).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _text_files(inputs: Iterable[Union[str, Path]], suffixes: tuple[str, ...]) -> list[Path]:
+    files: list[Path] = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            files.extend(sorted(p for p in item.rglob("*") if p.is_file() and p.suffix in suffixes))
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise FileNotFoundError(f"input {item} does not exist.")
+    if not files:
+        raise ValueError(f"no input files found (directories are searched for {', '.join(suffixes)}).")
+    return files
+
+
+def prepare_byte_tokens(
+    inputs: Iterable[Union[str, Path]],
+    out: Union[str, Path],
+    suffixes: tuple[str, ...] = (".txt", ".md", ".py", ".rst"),
+) -> dict:
+    """Tokenize text files as bytes (vocab 256) into one token file; returns its metadata."""
+    data = b"".join(path.read_bytes() for path in _text_files(inputs, suffixes))
+    return write_token_file(np.frombuffer(data, dtype=np.uint8), out, vocab_size=256, tokenizer="bytes")

@@ -1,0 +1,278 @@
+"""A plain decoder-only transformer (GPT-2 style), free of any parallelism.
+
+Parallelism is applied from outside (tensor-parallel plans, pipeline splits, ZeRO), so this
+file reads like a textbook GPT. Two choices keep that possible:
+
+* Attention infers its local head count from the projection width (``-1`` in ``view``), so a
+  tensor-parallel plan that shards the q/k/v projections needs no change here.
+* The loss is an attribute (``loss_fn``) so a plan can swap in a vocab-parallel cross-entropy
+  without the model knowing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional, Union
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class GPTConfig:
+    """Model dimensions. ``ffn_hidden=None`` means ``4 * n_embd``."""
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    ffn_hidden: Optional[int] = None
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name}={value!r} is invalid: it must be a positive integer.")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout!r} must be in [0, 1).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn_hidden or 4 * self.n_embd
+
+    def num_parameters(self) -> int:
+        """Parameter count, counting a tied embedding once."""
+        e, v, f, layers = self.n_embd, self.vocab_size, self.ffn_dim, self.n_layer
+        norm = e * (2 if self.bias else 1)
+        attention = 4 * e * e + (4 * e if self.bias else 0)
+        mlp = 2 * e * f + (f + e if self.bias else 0)
+        head = 0 if self.tie_embeddings else v * e
+        return v * e + self.block_size * e + layers * (2 * norm + attention + mlp) + norm + head
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        e = config.n_embd
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(e, e, bias=config.bias)
+        self.k_proj = nn.Linear(e, e, bias=config.bias)
+        self.v_proj = nn.Linear(e, e, bias=config.bias)
+        self.o_proj = nn.Linear(e, e, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        # (B, T, heads, head_dim) -> (B, heads, T, head_dim); heads is whatever this rank holds.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.resid_dropout(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
+        self.proj = nn.Linear(config.ffn_dim, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` blocks, final norm, LM head (tied by default)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.loss_fn: Callable[..., Tensor] = F.cross_entropy
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer), zero biases."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("o_proj", "mlp.proj")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        """Logits ``(B, T, vocab)``, or the mean cross-entropy when ``targets`` is given."""
+        t = input_ids.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}.")
+        pos = torch.arange(t, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return self.loss_fn(logits.flatten(0, 1), targets.flatten())
+
+
+def _as_config(config: Union[GPTConfig, dict, None]) -> GPTConfig:
+    if config is None:
+        return GPTConfig()
+    if isinstance(config, GPTConfig):
+        return config
+    return GPTConfig(**dict(config))
+
+
+class GPTModule(L.LightningModule):
+    """The LightningModule the recipes train: next-token prediction with AdamW and cosine decay.
+
+    The model is built in :meth:`configure_model` (idempotent), where the strategy can shard or
+    split it; the step code is the same for every parallel layout.
+
+    Args:
+        config: model dimensions (a :class:`GPTConfig` or a dict of its fields).
+        lr: peak learning rate reached after ``warmup_steps``.
+        min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
+        weight_decay: AdamW decay for matrices and embeddings (not for biases and norms).
+        betas: AdamW betas.
+        warmup_steps: linear warmup length in optimizer steps.
+        decay_steps: length of the cosine decay; ``None`` uses the Trainer's total steps.
+    """
+
+    def __init__(
+        self,
+        config: Optional[GPTConfig] = None,
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        decay_steps: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.config = _as_config(config)
+        # Plain types only, so checkpoints load with weights_only=True.
+        self.save_hyperparameters(
+            {
+                "config": asdict(self.config),
+                "lr": lr,
+                "min_lr_ratio": min_lr_ratio,
+                "weight_decay": weight_decay,
+                "betas": tuple(betas),
+                "warmup_steps": warmup_steps,
+                "decay_steps": decay_steps,
+            }
+        )
+        self.model: Optional[GPT] = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = GPT(self.config)
+
+    def forward(self, input_ids: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(input_ids, targets)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        input_ids, targets = batch
+        loss = self(input_ids, targets)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        input_ids, targets = batch
+        loss = self(input_ids, targets)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        input_ids, targets = batch
+        loss = self(input_ids, targets)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Union[Tensor, tuple[Tensor, ...]], batch_idx: int) -> Tensor:
+        """Greedy next-token prediction for every position."""
+        input_ids = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(input_ids).argmax(dim=-1)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        decay, no_decay = [], []
+        for p in {id(p): p for p in self.parameters() if p.requires_grad}.values():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        total = hp.decay_steps or max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = functools.partial(
+            warmup_cosine, warmup=hp.warmup_steps, total=total, min_ratio=hp.min_lr_ratio
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        from lightning_3d.callbacks import TokenThroughput
+
+        return [TokenThroughput()]
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,100 @@
+"""Turn a composed Hydra config (``conf/``) into a Trainer run, and summarize it.
+
+``recipes/train.py`` is a thin Hydra ``@main`` around :func:`train`; keeping the logic here
+makes it importable and testable without Hydra's process handling.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_3d.callbacks import TokenThroughput
+from lightning_3d.data import TextDataModule
+from lightning_3d.models import GPTConfig, GPTModule
+from lightning_3d.strategy import ThreeDParallelStrategy
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def build_strategy(parallel: DictConfig) -> ThreeDParallelStrategy:
+    """``cfg.parallel`` keys are exactly the strategy's keywords."""
+    return ThreeDParallelStrategy(**_plain(parallel))
+
+
+def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
+    cluster = cfg.cluster
+    checkpoint = ModelCheckpoint(
+        dirpath=out_dir / "checkpoints",
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=cfg.checkpoint_every,
+        save_top_k=1,
+        save_last=True,
+    )
+    return L.Trainer(
+        accelerator=cluster.accelerator,
+        devices=cluster.devices_per_node,
+        num_nodes=cluster.num_nodes,
+        strategy=build_strategy(cfg.parallel),
+        logger=CSVLogger(save_dir=str(out_dir), name="logs", version=""),
+        callbacks=[checkpoint, *callbacks],
+        **_plain(cfg.trainer),
+    )
+
+
+def build_model(cfg: DictConfig) -> GPTModule:
+    return GPTModule(config=GPTConfig(**_plain(cfg.model)), **_plain(cfg.optim))
+
+
+def build_data(cfg: DictConfig) -> TextDataModule:
+    return TextDataModule(block_size=cfg.model.block_size, **_plain(cfg.data))
+
+
+def _final(metrics: dict[str, Any], key: str) -> Optional[float]:
+    value = metrics.get(key)
+    return None if value is None else round(float(value), 5)
+
+
+def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
+    """Fit, validate, plot; return the summary on global rank 0 (``None`` elsewhere)."""
+    L.seed_everything(cfg.seed, workers=True)
+    trainer = build_trainer(cfg, out_dir, [TokenThroughput()])
+    model, data = build_model(cfg), build_data(cfg)
+    trainer.fit(model, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
+    # GPTModule.configure_callbacks may have replaced ours: read the one the Trainer used.
+    throughput = next(cb for cb in trainer.callbacks if isinstance(cb, TokenThroughput))
+    train_loss = _final(trainer.callback_metrics, "train_loss")
+    validated = trainer.validate(model, datamodule=data, verbose=False)
+    if not trainer.is_global_zero:
+        return None
+    val_loss = _final(validated[0], "val_loss") if validated else None
+    strategy = trainer.strategy
+    assert isinstance(strategy, ThreeDParallelStrategy)
+    dims = strategy.parallel_dims
+    summary: dict[str, Any] = {
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "tokens_per_s": None if math.isnan(throughput.mean_tokens_per_s) else round(throughput.mean_tokens_per_s, 1),
+        "world_size": trainer.world_size,
+        "layout": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "zero_stage": strategy.config.zero_stage},
+        "peak_memory_mb": round(throughput.peak_memory_mb, 1),
+        "steps": trainer.global_step,
+        "checkpoint": str(out_dir / "checkpoints" / "last.ckpt"),
+    }
+    metrics_csv = out_dir / "logs" / "metrics.csv"
+    if metrics_csv.is_file():
+        from lightning_3d.plotting import plot_loss_curve
+
+        summary["loss_curve"] = plot_loss_curve(metrics_csv, out_dir / "loss_curve.png")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

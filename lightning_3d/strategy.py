@@ -1,0 +1,317 @@
+"""``ThreeDParallelStrategy``: the Lightning glue around topology, gradient sync and friends.
+
+This module only connects Lightning's hooks to the pieces that do the work; it holds no
+parallel algorithm itself. Registered as ``"3d"`` when :mod:`lightning_3d` is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from lightning_3d.collectives import broadcast_module_state
+from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
+from lightning_3d.topology import Degree, ParallelDims, Topology
+from lightning_3d.zero.grad_reducer import DEFAULT_BUCKET_BYTES, GradientReducer
+
+log = logging.getLogger(__name__)
+
+
+class ThreeDParallelStrategy(ParallelStrategy):
+    """Data x tensor x pipeline parallel training with ZeRO, behind ``Trainer(strategy=...)``.
+
+    Args:
+        data_parallel: replicas of the model; ``"auto"`` uses every rank that tp and pp leave.
+        tensor_parallel: ranks that split each layer (Megatron style); stays within a node.
+        pipeline_parallel: stages the layer sequence is cut into.
+        zero_stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
+        sequence_parallel: shard layer norms/dropout activations along the sequence (needs tp > 1).
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        micro_batches: micro-batches per step and pipeline; ``None`` picks a divisor of the batch.
+        virtual_stages: model chunks per pipeline rank (interleaved 1F1B).
+        activation_checkpointing: ``None``, ``"full"`` or ``"selective"``.
+        offload_optimizer: ``None``, ``"cpu"`` or ``"nvme"`` (ZeRO >= 1).
+        offload_params: ``None``, ``"cpu"`` or ``"nvme"`` (ZeRO 3).
+        nvme_path: directory for NVMe offload files.
+        timeout: seconds (or ``timedelta``) any collective may take before the job fails.
+        bucket_size_mb: size of gradient communication buckets.
+        process_group_backend: defaults to ``nccl`` on GPUs and ``gloo`` on CPUs.
+        start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
+            or ``"spawn"``/``"fork"``/``"forkserver"``. Ignored under torchrun or SLURM.
+    """
+
+    strategy_name = "3d"
+
+    def __init__(
+        self,
+        data_parallel: Degree = "auto",
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        zero_stage: int = 0,
+        sequence_parallel: bool = False,
+        pipeline_schedule: str = "1f1b",
+        micro_batches: Optional[int] = None,
+        virtual_stages: int = 1,
+        activation_checkpointing: Optional[Union[str, bool]] = None,
+        offload_optimizer: Optional[Union[str, bool]] = None,
+        offload_params: Optional[Union[str, bool]] = None,
+        nvme_path: Optional[str] = None,
+        timeout: Union[float, int, timedelta, None] = DEFAULT_TIMEOUT_S,
+        bucket_size_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = ParallelConfig(
+            data_parallel=data_parallel,
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            pipeline_schedule=pipeline_schedule,
+            micro_batches=micro_batches,
+            virtual_stages=virtual_stages,
+            activation_checkpointing=activation_checkpointing,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            nvme_path=nvme_path,
+            timeout=timeout,
+        )
+        self.config.require_implemented()
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb!r} is invalid: it must be positive.")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r} is invalid: use popen, spawn, fork or forkserver.")
+        self._bucket_bytes = int(bucket_size_mb * 2**20)
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._dims: Optional[ParallelDims] = None
+        self._topology: Optional[Topology] = None
+        self._grad_reducer: Optional[GradientReducer] = None
+
+    # -- Lightning wiring -----------------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("The topology exists only after the processes have started (setup_environment).")
+        return self._topology
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The resolved degrees (known from Trainer construction on, before processes start)."""
+        if self._dims is None:
+            raise RuntimeError("The degrees are resolved when the Trainer is constructed.")
+        return self._dims
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Samples are split over data-parallel replicas only: tp and pp peers see the same batch.
+        dims = self.parallel_dims
+        coords = dims.coordinates(self.global_rank)
+        return {"num_replicas": int(dims.dp), "rank": coords.dp}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        """Called at Trainer construction: this is where a bad layout fails, before any process starts."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.num_processes > 0:
+            self._dims = self.config.check_world(self.num_nodes * self.num_processes, self.num_processes)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._limit_cpu_threads()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self.config.timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._topology.mesh
+        log.info("lightning_3d: %r", self._topology)
+
+    def _limit_cpu_threads(self) -> None:
+        """On CPU, share the cores among the local ranks instead of oversubscribing them."""
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        topo = self.topology
+        broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank())
+        self._point_metrics_at_dp_group()
+        if fitting:
+            self._remove_grad_reducer()
+            self._grad_reducer = GradientReducer(self.model.parameters(), topo.dp_group, self._bucket_bytes)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _point_metrics_at_dp_group(self) -> None:
+        """torchmetrics sync over the world by default; tp/pp peers hold copies of the same samples."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics is a dependency
+            return
+        assert self.model is not None
+        for module in self.model.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = self.topology.dp_group
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- gradients ------------------------------------------------------------------------
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._grad_reducer is not None:
+            self._grad_reducer.after_backward()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no gradient communication until the last micro-step."""
+        if self._grad_reducer is None:
+            yield
+            return
+        with self._grad_reducer.no_sync():
+            yield
+
+    @property
+    def grad_reducer(self) -> Optional[GradientReducer]:
+        return self._grad_reducer
+
+    def _remove_grad_reducer(self) -> None:
+        if self._grad_reducer is not None:
+            self._grad_reducer.remove()
+            self._grad_reducer = None
+
+    # -- collectives: logging and metrics reduce over the data-parallel group ------------------
+    def _default_group(self, group: Optional[Any]) -> Optional[Any]:
+        if group is not None or self._topology is None:
+            return group
+        return self._topology.dp_group
+
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce over the data-parallel group (tp and pp peers already agree)."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, self._default_group(group), reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather from every data-parallel replica (one copy of each sample)."""
+        return super().all_gather(tensor, group=self._default_group(group), sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Decisions (early stopping, checkpointing) are agreed by the whole world."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == dist.get_world_size()) if all else bool(flag > 0)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def teardown(self) -> None:
+        self._remove_grad_reducer()
+        super().teardown()

@@ -1,0 +1,29 @@
+"""Train the reference GPT from the Hydra configs in ``conf/``.
+
+    python recipes/train.py                                  # defaults: local CPU, dp over 2 ranks
+    python recipes/train.py parallel.data_parallel=2 trainer.max_steps=50
+    python recipes/train.py model=gpt_small cluster=local_cpu trainer.precision=bf16-mixed
+
+``cfg.parallel`` keys are ``ThreeDParallelStrategy``'s keywords. Ends with a one-line JSON summary.
+"""
+
+import json
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import lightning_3d  # noqa: F401  (registers the "3d" strategy)
+from lightning_3d.recipe import train
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    if summary is not None:
+        print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

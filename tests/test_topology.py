@@ -1,0 +1,95 @@
+"""Rank layout arithmetic: no processes needed, so large worlds are cheap to check."""
+
+import pytest
+
+from lightning_3d.topology import Coordinates, ParallelDims
+
+
+@pytest.mark.parametrize(
+    ("dims", "rank", "expected"),
+    [
+        # 8 ranks, dp2 x tp2 x pp2: tp innermost, pp outermost.
+        (ParallelDims(dp=2, tp=2, pp=2), 0, Coordinates(pp=0, dp=0, tp=0)),
+        (ParallelDims(dp=2, tp=2, pp=2), 1, Coordinates(pp=0, dp=0, tp=1)),
+        (ParallelDims(dp=2, tp=2, pp=2), 2, Coordinates(pp=0, dp=1, tp=0)),
+        (ParallelDims(dp=2, tp=2, pp=2), 5, Coordinates(pp=1, dp=0, tp=1)),
+        (ParallelDims(dp=2, tp=2, pp=2), 7, Coordinates(pp=1, dp=1, tp=1)),
+        # 64 ranks: 8 nodes of 8, tp=8 (a node), pp=4, dp=2.
+        (ParallelDims(dp=2, tp=8, pp=4), 0, Coordinates(0, 0, 0)),
+        (ParallelDims(dp=2, tp=8, pp=4), 13, Coordinates(pp=0, dp=1, tp=5)),
+        (ParallelDims(dp=2, tp=8, pp=4), 16, Coordinates(pp=1, dp=0, tp=0)),
+        (ParallelDims(dp=2, tp=8, pp=4), 63, Coordinates(pp=3, dp=1, tp=7)),
+        # 1024 ranks: tp=4, pp=16, dp=16.
+        (ParallelDims(dp=16, tp=4, pp=16), 0, Coordinates(0, 0, 0)),
+        (ParallelDims(dp=16, tp=4, pp=16), 67, Coordinates(pp=1, dp=0, tp=3)),
+        (ParallelDims(dp=16, tp=4, pp=16), 1023, Coordinates(pp=15, dp=15, tp=3)),
+        (ParallelDims(dp=16, tp=4, pp=16), 517, Coordinates(pp=8, dp=1, tp=1)),
+    ],
+)
+def test_rank_to_coordinates(dims, rank, expected):
+    assert dims.coordinates(rank) == expected
+    assert dims.rank_of(expected) == rank
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 2), ParallelDims(2, 8, 4), ParallelDims(16, 4, 16)])
+def test_mapping_is_a_bijection_and_groups_partition_the_world(dims):
+    world = dims.world_size
+    coords = [dims.coordinates(r) for r in range(world)]
+    assert len(set(coords)) == world
+    for dim in ("pp", "dp", "tp"):
+        groups = {tuple(dims.group_ranks(dim, r)) for r in range(world)}
+        members = sorted(r for g in groups for r in g)
+        assert members == list(range(world)), dim  # every rank in exactly one group of each kind
+        size = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}[dim]
+        assert all(len(g) == size for g in groups)
+
+
+def test_groups_follow_the_layout():
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    assert dims.group_ranks("tp", 5) == [4, 5]
+    assert dims.group_ranks("dp", 5) == [5, 7]
+    assert dims.group_ranks("pp", 5) == [1, 5]
+
+
+@pytest.mark.parametrize(("world", "per_node", "dims"), [(64, 8, ParallelDims(2, 8, 4)), (1024, 8, ParallelDims(16, 4, 16))])
+def test_tensor_parallel_groups_stay_inside_a_node(world, per_node, dims):
+    dims.check_nodes(per_node)
+    for rank in range(world):
+        nodes = {r // per_node for r in dims.group_ranks("tp", rank)}
+        assert len(nodes) == 1
+
+
+def test_auto_data_parallel_fills_the_world():
+    assert ParallelDims(dp="auto", tp=2, pp=2).resolve(16) == ParallelDims(dp=4, tp=2, pp=2)
+    assert ParallelDims().resolve(3) == ParallelDims(dp=3, tp=1, pp=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "world", "message"),
+    [
+        (dict(dp=3, tp=1, pp=1), 2, "data_parallel=3 x tensor_parallel=1 x pipeline_parallel=1 = 3, but the world size is 2"),
+        (dict(dp="auto", tp=4, pp=1), 6, "tensor_parallel=4 x pipeline_parallel=1 = 4 does not divide the world size 6"),
+    ],
+)
+def test_mismatched_world_is_refused_with_the_numbers(kwargs, world, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs).resolve(world)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(dp=0), "data_parallel=0 is invalid"),
+        (dict(tp=-2), "tensor_parallel=-2 is invalid"),
+        (dict(pp=1.5), "pipeline_parallel=1.5 is invalid"),
+        (dict(dp="many"), "data_parallel='many' is invalid"),
+    ],
+)
+def test_non_positive_degrees_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs)
+
+
+def test_tensor_parallel_spanning_nodes_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel=4 does not divide the 2 processes per node"):
+        ParallelDims(dp=1, tp=4, pp=1).check_nodes(2)
