@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 import lightning as L
 import numpy as np
@@ -10,6 +11,42 @@ from torch.utils.data import DataLoader
 
 from lightning_3d.callbacks import data_parallel_size
 from lightning_3d.data.corpus import DEFAULT_MAX_BYTES, TokenWindows, read_token_file, split_tokens, stdlib_bytes
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that resumes mid-epoch at the next unseen batch.
+
+    Lightning saves and restores the state of loaders that have ``state_dict``/``load_state_dict``.
+    The state is the number of batches the *training loop* finished in this epoch (``progress``),
+    not how many this loader yielded: Lightning prefetches one batch ahead. On resume the first
+    iteration skips that many batches; the skip happens lazily so that the sampler's epoch
+    (set by Lightning after the iterator is created) already applies.
+    """
+
+    def __init__(self, *args: Any, progress: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+        self._skip = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_done": int(self.progress()) if self.progress is not None else 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = int(state.get("batches_done", 0))
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._skip = self._skip, 0
+        iterator = super().__iter__()
+        if not skip:
+            return iterator
+
+        def resumed() -> Iterator[Any]:
+            for _ in range(skip):
+                if next(iterator, None) is None:
+                    return
+            yield from iterator
+
+        return resumed()
 
 
 class TextDataModule(L.LightningDataModule):
@@ -73,24 +110,27 @@ class TextDataModule(L.LightningDataModule):
             )
         return self.global_batch_size // replicas
 
-    def _loader(self, dataset: Optional[TokenWindows], shuffle: bool) -> DataLoader:
+    def _batches_done_this_epoch(self) -> int:
+        assert self.trainer is not None
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def _loader(self, dataset: Optional[TokenWindows], train: bool) -> DataLoader:
         assert dataset is not None, "setup() has not run"
-        return DataLoader(
-            dataset,
-            batch_size=self.per_replica_batch_size(),
-            shuffle=shuffle,
-            drop_last=shuffle,
-            num_workers=self.num_workers,
+        kwargs: dict[str, Any] = dict(
+            batch_size=self.per_replica_batch_size(), shuffle=train, drop_last=train, num_workers=self.num_workers
         )
+        if train:
+            return ResumableDataLoader(dataset, progress=self._batches_done_this_epoch, **kwargs)
+        return DataLoader(dataset, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train, shuffle=True)
+        return self._loader(self._train, train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self._val, shuffle=False)
+        return self._loader(self._val, train=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self._val, shuffle=False)
+        return self._loader(self._val, train=False)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader(self._val, shuffle=False)
+        return self._loader(self._val, train=False)

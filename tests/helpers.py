@@ -1,0 +1,85 @@
+"""Shared pieces for tests: tiny models, quiet Trainers, loss recording, per-check isolation."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import lightning as L
+import torch
+
+from lightning_3d.data import TextDataModule
+from lightning_3d.models import GPTConfig, GPTModule
+
+TINY_GPT = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def world_size() -> int:
+    # Not $WORLD_SIZE: Lightning's environment deletes it at teardown.
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def tiny_gpt(**overrides: Any) -> GPTModule:
+    return GPTModule(GPTConfig(**{**TINY_GPT, **overrides}), lr=1e-2, warmup_steps=2)
+
+
+def tiny_data(global_batch_size: int = 8, **overrides: Any) -> TextDataModule:
+    kwargs = dict(block_size=TINY_GPT["block_size"], global_batch_size=global_batch_size, max_bytes=200_000)
+    return TextDataModule(**{**kwargs, **overrides})
+
+
+def quiet_trainer(**kwargs: Any) -> L.Trainer:
+    """A Trainer for tests: CPU, all ranks of this world, no files unless asked for."""
+    defaults = dict(
+        strategy="3d",
+        accelerator="cpu",
+        devices=world_size(),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+class LossRecorder(L.Callback):
+    """Collects this rank's training loss of every batch (before any cross-rank reduction)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def param_checksum(module: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in module.parameters()))
+
+
+def run_checks(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run several checks in one world; a failing check is reported as a traceback, not a dead world.
+
+    Every rank runs every check in the same order, so collectives still line up after a failure
+    on all ranks; a failure on one rank only would desynchronize the world, which the harness's
+    timeout then reports.
+    """
+    results: dict[str, Any] = {}
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception:  # noqa: BLE001
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def result_of(results: dict[str, Any], name: str) -> Any:
+    """The check's value, or a test failure showing the rank's traceback."""
+    import pytest
+
+    value = results[name]
+    if isinstance(value, dict) and "error" in value:
+        pytest.fail(f"check {name!r} raised on a rank:\n{value['error']}")
+    return value
