@@ -22,10 +22,11 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 def _normalize_choice(name: str, value: Any, choices: tuple[str, ...], aliases: dict[Any, str]) -> str:
-    if value in aliases:
-        return aliases[value]
-    if isinstance(value, str) and value.lower() in choices:
-        return value.lower()
+    key = value.lower() if isinstance(value, str) else value
+    if key in aliases:
+        return aliases[key]
+    if key in choices:
+        return key
     raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(map(repr, choices))}.")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any, Callable
 
@@ -14,9 +15,13 @@ from lightning_3d.models import GPTConfig, GPTModule
 TINY_GPT = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
-def world_size() -> int:
-    # Not $WORLD_SIZE: Lightning's environment deletes it at teardown.
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+def world_shape() -> tuple[int, int]:
+    """(devices per node, nodes) of this world: the harness's process group, or torchrun's variables."""
+    if torch.distributed.is_initialized():
+        # Not $WORLD_SIZE: Lightning's environment deletes it at teardown.
+        return torch.distributed.get_world_size(), 1
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return per_node, int(os.environ.get("WORLD_SIZE", per_node)) // per_node
 
 
 def tiny_gpt(**overrides: Any) -> GPTModule:
@@ -33,7 +38,8 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
     defaults = dict(
         strategy="3d",
         accelerator="cpu",
-        devices=world_size(),
+        devices=world_shape()[0],
+        num_nodes=world_shape()[1],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -83,3 +89,16 @@ def result_of(results: dict[str, Any], name: str) -> Any:
     if isinstance(value, dict) and "error" in value:
         pytest.fail(f"check {name!r} raised on a rank:\n{value['error']}")
     return value
+
+
+STEPS = 10
+
+
+def gpt_losses() -> dict[str, Any]:
+    """Per-rank losses of 10 steps of the tiny GPT at a global batch of 8 (the parity workload)."""
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    model = tiny_gpt()
+    trainer = quiet_trainer(max_steps=STEPS, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=1.0)
+    trainer.fit(model, tiny_data(global_batch_size=8))
+    return {"losses": recorder.losses, "checksum": param_checksum(model)}

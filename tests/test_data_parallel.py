@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_3d.testing import run_on_ranks
 from tests.helpers import (
+    STEPS,
     LossRecorder,
+    gpt_losses,
     param_checksum,
     quiet_trainer,
     result_of,
@@ -32,19 +34,8 @@ from tests.helpers import (
     tiny_gpt,
 )
 
-STEPS = 10
-
 
 # -- checks (run on every rank of a world) ---------------------------------------------------
-def gpt_losses() -> dict[str, Any]:
-    L.seed_everything(0)
-    recorder = LossRecorder()
-    model = tiny_gpt()
-    trainer = quiet_trainer(max_steps=STEPS, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=1.0)
-    trainer.fit(model, tiny_data(global_batch_size=8))
-    return {"losses": recorder.losses, "checksum": param_checksum(model)}
-
-
 class CountGradientCollectives(L.Callback):
     """Counts gradient-sized all-reduces per training batch (scalars from logging are ignored)."""
 

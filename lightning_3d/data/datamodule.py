@@ -54,7 +54,8 @@ class TextDataModule(L.LightningDataModule):
 
     Args:
         source: ``"stdlib"`` (default) or the path of a ``.bin`` token file.
-        block_size: tokens per sample (the model's context length).
+        block_size: tokens per sample; ``None`` takes the model's context length
+            (``lightning_module.config.block_size``), so the CLI needs it only once.
         batch_size: samples per data-parallel replica and step. Ignored when ``global_batch_size``
             is set.
         global_batch_size: samples per step over all replicas; the per-replica batch is derived
@@ -67,7 +68,7 @@ class TextDataModule(L.LightningDataModule):
     def __init__(
         self,
         source: str = "stdlib",
-        block_size: int = 128,
+        block_size: Optional[int] = None,
         batch_size: int = 8,
         global_batch_size: Optional[int] = None,
         val_fraction: float = 0.05,
@@ -93,11 +94,20 @@ class TextDataModule(L.LightningDataModule):
         self.vocab_size = int(meta["vocab_size"])
         return tokens
 
+    def _context_length(self) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        config = getattr(self.trainer.lightning_module if self.trainer else None, "config", None)
+        if config is None or not hasattr(config, "block_size"):
+            raise ValueError("TextDataModule(block_size=None) needs a model with config.block_size; pass block_size.")
+        return int(config.block_size)
+
     def setup(self, stage: str) -> None:
         if self._train is None:
             train, val = split_tokens(self._load(), self.val_fraction)
-            self._train = TokenWindows(train, self.block_size)
-            self._val = TokenWindows(val, self.block_size)
+            block_size = self._context_length()
+            self._train = TokenWindows(train, block_size)
+            self._val = TokenWindows(val, block_size)
 
     def per_replica_batch_size(self) -> int:
         if self.global_batch_size is None:

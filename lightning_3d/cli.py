@@ -1,0 +1,79 @@
+"""The ``lightning-3d`` command.
+
+``fit``/``validate``/``test``/``predict`` are LightningCLI over :class:`GPTModule` and
+:class:`TextDataModule`, so every Trainer, model and data argument is a flag or a YAML key:
+
+    lightning-3d fit --trainer.strategy=3d --trainer.devices=2 --trainer.max_steps=50
+    lightning-3d fit --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.data_parallel=2
+    lightning-3d fit --config run.yaml
+
+``prepare`` writes a memory-mapped token file from text files for ``--data.source``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+USAGE = """usage: lightning-3d {fit,validate,test,predict,prepare} ...
+
+  fit, validate, test, predict   LightningCLI over GPTModule + TextDataModule
+                                 (lightning-3d fit --help lists every flag)
+  prepare OUT INPUT [INPUT ...]  tokenize text files as bytes into OUT (.bin + .bin.json)
+
+examples:
+  lightning-3d fit --trainer.strategy=3d --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=50
+  lightning-3d fit --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.data_parallel=2
+  lightning-3d prepare data/corpus.bin ~/texts && lightning-3d fit --data.source=data/corpus.bin
+"""
+
+
+def prepare_main(argv: list[str]) -> int:
+    from lightning_3d.data import prepare_byte_tokens
+
+    parser = argparse.ArgumentParser(prog="lightning-3d prepare", description="Write a byte-level token file.")
+    parser.add_argument("out", help="output token file, e.g. data/corpus.bin")
+    parser.add_argument("inputs", nargs="+", help="text files, or directories searched for --suffixes")
+    parser.add_argument("--suffixes", default=".txt,.md,.py,.rst", help="comma-separated file suffixes")
+    args = parser.parse_args(argv)
+    meta = prepare_byte_tokens(args.inputs, args.out, suffixes=tuple(args.suffixes.split(",")))
+    print(json.dumps({"out": args.out, **meta}))
+    return 0
+
+
+def lightning_main(argv: list[str]) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_3d  # noqa: F401  (registers strategy="3d")
+    from lightning_3d.data import TextDataModule
+    from lightning_3d.models import GPTModule
+
+    LightningCLI(
+        GPTModule,
+        TextDataModule,
+        args=argv,
+        seed_everything_default=1234,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] == "prepare":
+        return prepare_main(argv[1:])
+    if argv[0] in LIGHTNING_SUBCOMMANDS:
+        lightning_main(argv)
+        return 0
+    print(f"lightning-3d: unknown command {argv[0]!r}.\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

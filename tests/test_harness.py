@@ -1,0 +1,83 @@
+"""The multi-rank harness itself: results in rank order, tracebacks named, hangs and deaths cut off."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_3d.testing import RankError, run_on_ranks
+from lightning_3d.topology import ParallelDims, Topology
+
+
+def rank_info() -> dict:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": float(t), "threads": torch.get_num_threads()}
+
+
+def raise_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise KeyError("boom on purpose")
+    dist.barrier()  # rank 0 would wait forever: the harness must not
+
+
+def hang() -> None:
+    time.sleep(600)
+
+
+def die_on_rank_zero() -> None:
+    if dist.get_rank() == 0:
+        os._exit(3)
+    time.sleep(600)
+
+
+def mesh_layout() -> dict:
+    topo = Topology.build(ParallelDims(dp=2, tp=2, pp=2))
+    return {
+        "coords": tuple(topo.coords),
+        "tp": dist.get_process_group_ranks(topo.tp_group),
+        "dp": dist.get_process_group_ranks(topo.dp_group),
+        "pp": dist.get_process_group_ranks(topo.pp_group),
+        "first": topo.is_first_stage,
+        "last": topo.is_last_stage,
+        "node": int(os.environ["NODE_RANK"]),
+    }
+
+
+def test_results_come_back_in_rank_order():
+    results = run_on_ranks(rank_info, 3, timeout=60)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["sum"] == 3.0 and r["threads"] == 1 for r in results)
+
+
+def test_failing_rank_is_named_with_its_traceback():
+    with pytest.raises(RankError, match=r"rank 1 raised:(.|\n)*KeyError: 'boom on purpose'"):
+        run_on_ranks(raise_on_rank_one, 2, timeout=60)
+
+
+def test_hang_is_cut_off_at_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[0, 1\] did not finish within the 3 s timeout"):
+        run_on_ranks(hang, 2, timeout=3)
+    assert time.monotonic() - start < 20
+
+
+def test_dead_rank_is_reported():
+    with pytest.raises(RankError, match="rank 0 died with exit code 3"):
+        run_on_ranks(die_on_rank_zero, 2, timeout=60)
+
+
+def test_device_mesh_matches_the_layout_arithmetic():
+    """8 ranks as 4 simulated nodes of 2: tp groups are node-local, and the mesh agrees with ParallelDims."""
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    results = run_on_ranks(mesh_layout, 8, nodes=4, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["coords"] == tuple(dims.coordinates(rank))
+        for dim in ("tp", "dp", "pp"):
+            assert r[dim] == dims.group_ranks(dim, rank)
+        assert len({results[peer]["node"] for peer in r["tp"]}) == 1
+        assert r["first"] == (r["coords"][0] == 0) and r["last"] == (r["coords"][0] == 1)

@@ -1,0 +1,158 @@
+"""Real launches in subprocesses: torchrun with 2 "nodes", the Hydra recipe, the LightningCLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from lightning_3d.testing import free_port, run_on_ranks
+from tests.helpers import STEPS, TINY_GPT, gpt_losses
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TIMEOUT = 300
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return env
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def test_torchrun_two_nodes_of_two(tmp_path):
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                str(BIN / "torchrun"),
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                f"--node-rank={node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(ROOT / "tests" / "scripts" / "torchrun_fit.py"),
+                str(tmp_path),
+            ],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outputs)
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    # Layout: global rank = node * 2 + local rank; tp pairs are the two ranks of one node.
+    for r, info in enumerate(ranks):
+        assert info["rank"] == r and info["node"] == r // 2 and info["local_rank"] == r % 2
+        assert info["tp_group"] == [2 * (r // 2), 2 * (r // 2) + 1]
+        assert info["coords"] == [0, r // 2, r % 2]
+    # Losses: dp=4 over two nodes equals one process on the same global batch.
+    reference = run_on_ranks(gpt_losses, 1, timeout=TIMEOUT)[0]["losses"]
+    ours = np.mean([info["losses"] for info in ranks], axis=0)
+    assert len(ours) == STEPS
+    np.testing.assert_allclose(ours, reference, rtol=1e-5)
+    assert len({info["checksum"] for info in ranks}) == 1
+
+
+def test_hydra_recipe_with_overrides(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "train.py"),
+            "parallel.data_parallel=2",
+            "trainer.max_steps=12",
+            "trainer.val_check_interval=6",
+            "trainer.limit_val_batches=2",
+            "trainer.enable_progress_bar=false",
+            "checkpoint_every=6",
+            "data.max_bytes=200000",
+            "optim.warmup_steps=2",
+            "optim.lr=1e-2",
+            *[f"model.{k}={v}" for k, v in TINY_GPT.items()],
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 12
+    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}
+    assert summary["train_loss"] < 4.5 and summary["val_loss"] < 4.5  # ln(256) = 5.55 at the start
+    assert summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
+    assert Path(summary["checkpoint"]).is_file()
+    png = Path(summary["loss_curve"])
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+
+
+CLI_MODEL = [f"--model.config.{k}={v}" for k, v in TINY_GPT.items()]
+CLI_COMMON = [
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=2",
+    "--trainer.max_steps=3",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+    "--data.max_bytes=100000",
+    "--data.global_batch_size=4",
+]
+
+
+@pytest.mark.parametrize(
+    "strategy_args",
+    [
+        ["--trainer.strategy=3d"],
+        ["--trainer.strategy=lightning_3d.ThreeDParallelStrategy", "--trainer.strategy.data_parallel=2"],
+        "yaml",
+    ],
+    ids=["name", "class-flags", "yaml-class-path"],
+)
+def test_lightning_cli_fit(tmp_path, strategy_args):
+    if strategy_args == "yaml":
+        config = {
+            "trainer": {
+                "strategy": {
+                    "class_path": "lightning_3d.ThreeDParallelStrategy",
+                    "init_args": {"data_parallel": 2, "timeout": 120},
+                }
+            }
+        }
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+        strategy_args = ["--config=run.yaml"]
+    _run([str(BIN / "lightning-3d"), "fit", *strategy_args, *CLI_COMMON, *CLI_MODEL], cwd=tmp_path)
+    saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
+    assert "3d" in str(saved["trainer"]["strategy"]) or "ThreeDParallelStrategy" in str(saved["trainer"]["strategy"])
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=3.ckpt").is_file()
+
+
+def test_cli_prepare_then_fit_on_the_token_file(tmp_path):
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello lightning 3d " * 4000)
+    proc = _run([str(BIN / "lightning-3d"), "prepare", "data/corpus.bin", str(corpus)], cwd=tmp_path)
+    meta = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert meta["num_tokens"] == len("hello lightning 3d ") * 4000 and meta["dtype"] == "uint16"
+    _run(
+        [str(BIN / "lightning-3d"), "fit", "--trainer.strategy=3d", "--data.source=data/corpus.bin", *CLI_COMMON, *CLI_MODEL],
+        cwd=tmp_path,
+    )

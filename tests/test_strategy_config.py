@@ -1,0 +1,110 @@
+"""The strategy's keywords: registration, validation before any process starts, clear refusals."""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_3d
+from lightning_3d import ParallelConfig, ThreeDParallelStrategy
+
+STRATEGY_KEYWORDS = [
+    "data_parallel",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "zero_stage",
+    "sequence_parallel",
+    "pipeline_schedule",
+    "micro_batches",
+    "virtual_stages",
+    "activation_checkpointing",
+    "offload_optimizer",
+    "offload_params",
+    "nvme_path",
+    "timeout",
+]
+
+
+def test_registered_as_3d():
+    assert "3d" in StrategyRegistry
+    assert isinstance(StrategyRegistry.get("3d"), ThreeDParallelStrategy)
+    trainer = L.Trainer(strategy="3d", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, ThreeDParallelStrategy)
+    assert trainer.strategy.is_distributed
+
+
+def test_constructor_has_every_documented_keyword():
+    params = inspect.signature(ThreeDParallelStrategy).parameters
+    assert all(k in params for k in STRATEGY_KEYWORDS)
+    assert set(STRATEGY_KEYWORDS) <= set(inspect.signature(ParallelConfig).parameters)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(data_parallel=0), "data_parallel=0 is invalid"),
+        (dict(tensor_parallel=-1), "tensor_parallel=-1 is invalid"),
+        (dict(pipeline_parallel=0), "pipeline_parallel=0 is invalid"),
+        (dict(zero_stage=4), "zero_stage=4 is invalid"),
+        (dict(pipeline_schedule="zigzag"), "pipeline_schedule='zigzag' is not supported"),
+        (dict(micro_batches=0), "micro_batches=0 is invalid"),
+        (dict(virtual_stages=0), "virtual_stages=0 is invalid"),
+        (dict(virtual_stages=2, pipeline_schedule="1f1b"), "virtual_stages=2 needs pipeline_schedule='interleaved_1f1b'"),
+        (dict(activation_checkpointing="sometimes"), "activation_checkpointing='sometimes' is not supported"),
+        (dict(offload_optimizer="gpu"), "offload_optimizer='gpu' is not supported"),
+        (dict(zero_stage=1, offload_optimizer="nvme"), "needs nvme_path"),
+        (dict(zero_stage=1, offload_params="cpu"), "offload_params='cpu' shards parameters and so needs zero_stage=3"),
+        (dict(offload_optimizer="cpu"), "needs zero_stage >= 1"),
+        (dict(timeout=-5), "timeout=-5 is invalid"),
+        (dict(bucket_size_mb=0), "bucket_size_mb=0 is invalid"),
+        (dict(sequence_parallel="yes"), "sequence_parallel='yes' is invalid"),
+    ],
+)
+def test_bad_values_raise_value_error_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ThreeDParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "feature"),
+    [
+        (dict(tensor_parallel=2), "tensor parallelism"),
+        (dict(pipeline_parallel=2), "pipeline parallelism"),
+        (dict(zero_stage=1), "ZeRO sharding"),
+        (dict(activation_checkpointing="full"), "activation checkpointing"),
+        (dict(micro_batches=4), "pipeline micro-batching"),
+        (dict(zero_stage=3, offload_params="cpu"), "ZeRO sharding"),
+    ],
+)
+def test_features_of_later_milestones_are_refused_by_name(kwargs, feature):
+    with pytest.raises(NotImplementedError, match=feature):
+        ThreeDParallelStrategy(**kwargs)
+
+
+def test_layout_that_does_not_fit_the_world_fails_at_trainer_construction():
+    with pytest.raises(ValueError, match="data_parallel=3 .* = 3, but the world size is 2"):
+        L.Trainer(strategy=ThreeDParallelStrategy(data_parallel=3), accelerator="cpu", devices=2, logger=False)
+
+
+def test_auto_data_parallel_resolves_at_trainer_construction():
+    trainer = L.Trainer(strategy=ThreeDParallelStrategy(), accelerator="cpu", devices=3, num_nodes=2, logger=False)
+    assert trainer.strategy.parallel_dims == lightning_3d.ParallelDims(dp=6, tp=1, pp=1)
+
+
+def test_sequence_parallel_without_tensor_parallel_is_a_warning_not_an_error():
+    with pytest.warns(UserWarning, match="sequence_parallel=True has no effect with tensor_parallel=1"):
+        config = ParallelConfig(sequence_parallel=True)
+    assert config.sequence_parallel is False
+
+
+def test_normalized_values():
+    config = ParallelConfig(activation_checkpointing=None, offload_optimizer=False, timeout=timedelta(minutes=2))
+    assert config.activation_checkpointing == "none"
+    assert config.offload_optimizer == "none"
+    assert config.timeout == timedelta(seconds=120)
+    assert ParallelConfig(pipeline_schedule="Interleaved").pipeline_schedule == "interleaved_1f1b"
+    assert ParallelConfig(timeout=90).to_dict()["timeout"] == 90.0
