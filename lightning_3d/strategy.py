@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.collectives import broadcast_module_state
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.topology import Degree, ParallelDims, Topology
@@ -97,7 +98,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self.config = ParallelConfig(
