@@ -126,7 +126,6 @@ class ParallelConfig:
     def require_implemented(self) -> None:
         """Refuse, clearly, the features that later milestones add."""
         pending = [
-            (self.tensor_parallel > 1, f"tensor_parallel={self.tensor_parallel}", "tensor parallelism"),
             (self.pipeline_parallel > 1, f"pipeline_parallel={self.pipeline_parallel}", "pipeline parallelism"),
             (self.virtual_stages > 1, f"virtual_stages={self.virtual_stages}", "interleaved pipeline stages"),
             (
@@ -147,7 +146,7 @@ class ParallelConfig:
             if missing:
                 raise NotImplementedError(
                     f"{setting}: {feature} is not implemented in this version of lightning_3d yet. "
-                    f"Data parallelism (tensor_parallel=1, pipeline_parallel=1, zero_stage=0) is."
+                    f"Data and tensor parallelism (pipeline_parallel=1, zero_stage=0) are."
                 )
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -22,11 +22,12 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -35,11 +36,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_3d.checkpoint import AtomicCheckpointIO
+from lightning_3d.checkpoint.consolidated import (
+    full_optimizer_state,
+    full_state_dict,
+    load_sharded_optimizer_state,
+    shard_state_dict,
+)
 from lightning_3d.collectives import broadcast_module_state
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
-from lightning_3d.topology import Degree, ParallelDims, Topology
+from lightning_3d.precision import ThreeDPrecision, adopt_precision
+from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
+from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
+from lightning_3d.topology import Degree, ParallelDims, Topology, use_topology
 from lightning_3d.zero.grad_reducer import DEFAULT_BUCKET_BYTES, GradientReducer
 
 log = logging.getLogger(__name__)
@@ -62,6 +73,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
         offload_params: ``None``, ``"cpu"`` or ``"nvme"`` (ZeRO 3).
         nvme_path: directory for NVMe offload files.
         timeout: seconds (or ``timedelta``) any collective may take before the job fails.
+        tensor_parallel_plan: module-name patterns -> styles (see :mod:`lightning_3d.tensor_parallel.plans`),
+            applied to the LightningModule; ``None`` uses the built-in plan of every supported model
+            inside it (the reference GPT, HF Llama, HF GPT-2).
         bucket_size_mb: size of gradient communication buckets.
         process_group_backend: defaults to ``nccl`` on GPUs and ``gloo`` on CPUs.
         start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
@@ -85,6 +99,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         offload_params: Optional[Union[str, bool]] = None,
         nvme_path: Optional[str] = None,
         timeout: Union[float, int, timedelta, None] = DEFAULT_TIMEOUT_S,
+        tensor_parallel_plan: Optional[Union[TensorParallelPlan, dict[str, Any]]] = None,
         bucket_size_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -122,6 +137,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is invalid: use popen, spawn, fork or forkserver.")
         self._bucket_bytes = int(bucket_size_mb * 2**20)
+        self._tp_plan = tensor_parallel_plan
+        self._rng_tracker: Optional[RNGStatesTracker] = None
         self._process_group_backend = process_group_backend
         self._start_method = start_method
         self._num_nodes = 1
@@ -133,6 +150,16 @@ class ThreeDParallelStrategy(ParallelStrategy):
     @property
     def is_distributed(self) -> bool:
         return True
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ThreeDPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        """Lightning hands us the plugin for ``Trainer(precision=...)``; we use ours where we can."""
+        config = getattr(self, "config", None)
+        self._precision_plugin = adopt_precision(plugin, config.tensor_parallel if config else 1)
 
     @property
     def root_device(self) -> torch.device:
@@ -205,6 +232,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
+        self._rng_tracker = RNGStatesTracker(self.root_device.type)
+        seed_tracker(self._rng_tracker, self._topology.tp_rank)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._topology.mesh
         log.info("lightning_3d: %r", self._topology)
@@ -218,8 +247,13 @@ class ThreeDParallelStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.config.tensor_parallel > 1:
+            self._apply_tensor_parallel()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
+        if isinstance(self.precision_plugin, ThreeDPrecision):
+            self.precision_plugin.topology = self.topology
+            self.precision_plugin.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         topo = self.topology
@@ -232,6 +266,54 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _apply_tensor_parallel(self) -> None:
+        """Built-in plans for supported models inside the LightningModule, or the user's plan."""
+        module = self.lightning_module
+        assert module is not None and self._rng_tracker is not None
+        ctx = PlanContext(self.topology.tp_group, self.config.sequence_parallel, self._rng_tracker)
+        if self._tp_plan is not None:
+            plan = self._tp_plan if isinstance(self._tp_plan, TensorParallelPlan) else TensorParallelPlan(styles=dict(self._tp_plan))
+            apply_plan(module, plan, ctx)
+            return
+        found = find_plans(module)
+        if not found and not any(isinstance(m, PARALLEL_LAYERS) for m in module.modules()):
+            raise ValueError(
+                f"tensor_parallel={self.config.tensor_parallel}, but {type(module).__name__} contains no model with a "
+                f"built-in plan (GPT, LlamaForCausalLM, GPT2LMHeadModel) and no tensor-parallel layers. Build the "
+                f"model in configure_model(), or pass ThreeDParallelStrategy(tensor_parallel_plan={{...}})."
+            )
+        for _, model, plan in found:
+            apply_plan(model, plan, ctx)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` runs here: tensor-parallel layers built in it find the tp group."""
+        if self._topology is None:
+            yield
+            return
+        with use_topology(self._topology):
+            yield
+
+    # -- checkpoints: dense tensors, so they load at any layout ---------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return full_state_dict(self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        state = shard_state_dict(self.lightning_module, checkpoint["state_dict"])
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_sharded_optimizer_state(optimizer, state)
+            _optimizer_to_device(optimizer, self.root_device)
 
     def _point_metrics_at_dp_group(self) -> None:
         """torchmetrics sync over the world by default; tp/pp peers hold copies of the same samples."""

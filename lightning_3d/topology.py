@@ -12,8 +12,11 @@ testable); :class:`Topology` binds it to a live ``torch.distributed`` world thro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Union
+from typing import Literal, NamedTuple, Optional, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -186,3 +189,21 @@ class Topology:
     def __repr__(self) -> str:
         c = self.coords
         return f"Topology({self.dims}, rank={self.rank}: pp={c.pp} dp={c.dp} tp={c.tp})"
+
+
+_current: ContextVar[Optional[Topology]] = ContextVar("lightning_3d_topology", default=None)
+
+
+@contextmanager
+def use_topology(topology: Topology) -> Iterator[Topology]:
+    """Make ``topology`` the default for layers built inside (the strategy wraps ``configure_model``)."""
+    token = _current.set(topology)
+    try:
+        yield topology
+    finally:
+        _current.reset(token)
+
+
+def current_topology() -> Optional[Topology]:
+    """The topology set by :func:`use_topology`, if any. Always overridable by an explicit argument."""
+    return _current.get()

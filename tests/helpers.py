@@ -12,7 +12,7 @@ import torch
 from lightning_3d.data import TextDataModule
 from lightning_3d.models import GPTConfig, GPTModule
 
-TINY_GPT = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+TINY_GPT = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
 
 
 def world_shape() -> tuple[int, int]:

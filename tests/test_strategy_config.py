@@ -72,7 +72,6 @@ def test_bad_values_raise_value_error_naming_them(kwargs, message):
 @pytest.mark.parametrize(
     ("kwargs", "feature"),
     [
-        (dict(tensor_parallel=2), "tensor parallelism"),
         (dict(pipeline_parallel=2), "pipeline parallelism"),
         (dict(zero_stage=1), "ZeRO sharding"),
         (dict(activation_checkpointing="full"), "activation checkpointing"),

@@ -64,6 +64,18 @@ class GPTConfig:
         return v * e + self.block_size * e + layers * (2 * norm + attention + mlp) + norm + head
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask: the part selective recompute re-runs, and
+    the region whose dropout a tensor-parallel plan draws from per-rank randomness."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -72,20 +84,17 @@ class CausalSelfAttention(nn.Module):
         self.q_proj = nn.Linear(e, e, bias=config.bias)
         self.k_proj = nn.Linear(e, e, bias=config.bias)
         self.v_proj = nn.Linear(e, e, bias=config.bias)
+        self.core = AttentionCore(config.dropout)
         self.o_proj = nn.Linear(e, e, bias=config.bias)
-        self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
+        b, t = x.shape[0], x.shape[1]
         # (B, T, heads, head_dim) -> (B, heads, T, head_dim); heads is whatever this rank holds.
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        y = y.transpose(1, 2).reshape(b, t, -1)
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.o_proj(y))
 
 

@@ -1,0 +1,253 @@
+"""Megatron-style tensor-parallel layers.
+
+* :class:`ColumnParallelLinear` splits the output features: each rank computes a slice of ``y``.
+* :class:`RowParallelLinear` splits the input features: each rank computes a partial ``y`` that
+  is summed over the group (or reduce-scattered along the sequence with sequence parallel).
+* :class:`VocabParallelEmbedding` splits the vocabulary: each rank looks up the ids it owns.
+
+A column layer followed by a row layer needs one collective in forward and one in backward.
+Built directly, a layer initializes the dense weight exactly as ``nn.Linear``/``nn.Embedding``
+would from the same RNG state and keeps its shard, so sharded and dense models built from one
+seed agree; :meth:`from_dense` shards an existing module instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_3d.tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel,
+)
+from lightning_3d.tensor_parallel.spec import TPSpec, mark_sequence_parallel, padded, replicated_spec, set_spec, shard_tensor
+from lightning_3d.topology import current_topology
+
+
+def resolve_tp_group(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """An explicit group wins; otherwise the strategy's tensor-parallel group."""
+    if tp_group is not None:
+        return tp_group
+    topology = current_topology()
+    if topology is None:
+        raise ValueError(
+            "No tensor-parallel group: pass tp_group=..., or build the layer inside configure_model() "
+            "under ThreeDParallelStrategy (which provides its tp group)."
+        )
+    return topology.tp_group
+
+
+def _dense_weight(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+    """(weight as [out, in], bias) for ``nn.Linear`` and Hugging Face's ``Conv1D`` ([in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.weight.detach().t(), None if module.bias is None else module.bias.detach()
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}.")
+
+
+def _check_divisible(what: str, size: int, world: int) -> None:
+    if size % world:
+        raise ValueError(
+            f"{what}={size} is not divisible by tensor_parallel={world}; choose a tensor_parallel that divides it."
+        )
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by rows (output features) over the tp group.
+
+    Args:
+        gather_output: all-gather ``y`` so every rank holds all output features.
+        sequence_parallel: the input is split along the sequence; all-gather it first.
+        input_is_prepared: the caller already applied the region's entry collective (several
+            column layers reading one input then share one backward all-reduce).
+        num_blocks: the output is made of equal blocks split separately (fused q/k/v).
+        pad_output: pad ``out_features`` up to a multiple of tp (vocabulary heads); padded
+            outputs are zero-weight columns that callers must ignore (``valid_out_features``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        input_is_prepared: bool = False,
+        num_blocks: int = 1,
+        pad_output: bool = False,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        _dense: Optional[nn.Module] = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        world, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.input_is_prepared, self.num_blocks = input_is_prepared, num_blocks
+        padded_out = padded(out_features, world) if pad_output else None
+        if padded_out is None:
+            _check_divisible(f"out_features of a column-parallel layer (per block of {num_blocks})", out_features // num_blocks, world)
+        self.valid_out_features = out_features
+        dense = _dense if _dense is not None else nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        weight, dense_bias = _dense_weight(dense)
+        spec = dict(dim=0, world=world, rank=rank, num_blocks=num_blocks, padded_size=padded_out)
+        self.weight = nn.Parameter(shard_tensor(weight, **spec))
+        set_spec(self.weight, TPSpec(full_shape=tuple(weight.shape), group=self.tp_group, **spec))
+        if dense_bias is not None:
+            self.bias = nn.Parameter(shard_tensor(dense_bias, **spec))
+            set_spec(self.bias, TPSpec(full_shape=tuple(dense_bias.shape), group=self.tp_group, **spec))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, tp_group: Optional[dist.ProcessGroup] = None, **kwargs) -> "ColumnParallelLinear":
+        """This rank's shard of an ``nn.Linear`` (or HF ``Conv1D``)."""
+        weight, bias = _dense_weight(module)
+        return cls(weight.shape[1], weight.shape[0], bias=bias is not None, tp_group=tp_group, _dense=module, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_prepared:
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel(x, self.tp_group)
+            else:
+                x = copy_to_tensor_parallel(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_parallel(y, self.tp_group).narrow(-1, 0, self.valid_out_features)
+        return y
+
+    def extra_repr(self) -> str:
+        world = dist.get_world_size(self.tp_group)
+        return f"in_features={self.in_features}, out_features={self.out_features} ({self.weight.shape[0]}/rank, tp={world}), sequence_parallel={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by columns (input features); partial sums are reduced.
+
+    Args:
+        input_is_parallel: the input already holds this rank's slice of the features (the output
+            of a column-parallel layer); otherwise it is split here.
+        sequence_parallel: reduce-scatter the output along the sequence instead of all-reducing.
+            The bias is then added to a sequence shard, so its gradient is partial (marked).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        _dense: Optional[nn.Module] = None,
+    ) -> None:
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True.")
+        self.tp_group = resolve_tp_group(tp_group)
+        world, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+        _check_divisible("in_features of a row-parallel layer", in_features, world)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        dense = _dense if _dense is not None else nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        weight, dense_bias = _dense_weight(dense)
+        self.weight = nn.Parameter(shard_tensor(weight, dim=1, world=world, rank=rank))
+        set_spec(self.weight, TPSpec(dim=1, world=world, rank=rank, full_shape=tuple(weight.shape), group=self.tp_group))
+        if dense_bias is not None:
+            self.bias = nn.Parameter(dense_bias.clone())
+            if sequence_parallel:  # added after the reduce-scatter, to a sequence shard
+                mark_sequence_parallel(self.bias, self.tp_group)
+            else:
+                set_spec(self.bias, replicated_spec(self.bias, self.tp_group))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, tp_group: Optional[dist.ProcessGroup] = None, **kwargs) -> "RowParallelLinear":
+        weight, bias = _dense_weight(module)
+        return cls(weight.shape[1], weight.shape[0], bias=bias is not None, tp_group=tp_group, _dense=module, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_parallel(y, self.tp_group, inplace=True)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        world = dist.get_world_size(self.tp_group)
+        return f"in_features={self.in_features} ({self.weight.shape[1]}/rank, tp={world}), out_features={self.out_features}, sequence_parallel={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows; ids outside this rank's range contribute zeros.
+
+    The vocabulary is padded to a multiple of tp (padded rows are zero and never looked up), so
+    any vocabulary size works. With ``sequence_parallel`` the output is reduce-scattered along
+    the sequence instead of all-reduced.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        sequence_parallel: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        _dense: Optional[nn.Embedding] = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        world, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
+        padded_rows = padded(num_embeddings, world)
+        self.rows_per_rank = padded_rows // world
+        self.vocab_start = rank * self.rows_per_rank
+        dense = _dense if _dense is not None else nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device, dtype=dtype)
+        if dense.max_norm is not None or dense.scale_grad_by_freq or dense.sparse:
+            raise ValueError("VocabParallelEmbedding does not support max_norm, scale_grad_by_freq or sparse.")
+        self.padding_idx = dense.padding_idx
+        weight = dense.weight.detach()
+        self.weight = nn.Parameter(shard_tensor(weight, dim=0, world=world, rank=rank, padded_size=padded_rows))
+        set_spec(
+            self.weight,
+            TPSpec(dim=0, world=world, rank=rank, full_shape=tuple(weight.shape), padded_size=padded_rows, group=self.tp_group),
+        )
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, tp_group: Optional[dist.ProcessGroup] = None, **kwargs) -> "VocabParallelEmbedding":
+        return cls(module.num_embeddings, module.embedding_dim, tp_group=tp_group, _dense=module, **kwargs)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        local_padding = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.rows_per_rank:
+            local_padding = self.padding_idx - self.vocab_start
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=local_padding)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(out, self.tp_group)
+        return reduce_from_tensor_parallel(out, self.tp_group, inplace=True)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim} ({self.rows_per_rank} rows/rank from {self.vocab_start}), sequence_parallel={self.sequence_parallel}"

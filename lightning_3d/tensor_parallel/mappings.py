@@ -1,0 +1,175 @@
+"""Autograd-aware collectives over the tensor-parallel group (Megatron's f/g operators and friends).
+
+Each function is a pair of collectives: what forward does, and its adjoint in backward. The
+activation layout is ``[..., sequence, hidden]``: "last dim" is the hidden/vocab dimension that
+tensor parallelism splits; the sequence dimension (``-2``) is what sequence parallelism splits.
+
+| function                       | forward                   | backward                  |
+| ------------------------------ | ------------------------- | ------------------------- |
+| copy_to_tensor_parallel        | identity                  | all-reduce                |
+| reduce_from_tensor_parallel    | all-reduce                | identity                  |
+| scatter_to_tensor_parallel     | split last dim            | all-gather last dim       |
+| gather_from_tensor_parallel    | all-gather last dim       | split last dim            |
+| scatter_to_sequence_parallel   | split sequence dim        | all-gather sequence dim   |
+| gather_from_sequence_parallel  | all-gather sequence dim   | reduce-scatter sequence   |
+| reduce_scatter_to_sequence_parallel | reduce-scatter sequence | all-gather sequence     |
+
+All of them are the identity when the group has a single rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+SEQUENCE_DIM = -2
+
+
+# -- raw collectives along an arbitrary dimension -------------------------------------------------
+def _world(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group: dist.ProcessGroup) -> int:
+    return dist.get_rank(group)
+
+
+def all_reduce(x: Tensor, group: dist.ProcessGroup, inplace: bool = False) -> Tensor:
+    out = x if inplace else x.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def split_along(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    world = _world(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {world}.")
+    return x.chunk(world, dim=dim)[_rank(group)].contiguous()
+
+
+def gather_along(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    world = _world(group)
+    x = x.contiguous()
+    flat = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(flat, x, group=group)
+    # (world, ..., d, ...) -> (..., world * d, ...)
+    dim = dim % x.dim()
+    return flat.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter_along(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    world = _world(group)
+    dim = dim % x.dim()
+    if x.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {world}.")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+# -- autograd pairs ----------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity; backward: all-reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce; backward: identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, inplace: bool) -> Tensor:
+        return all_reduce(x, group, inplace=inplace)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return grad, None, None
+
+
+class _Split(torch.autograd.Function):
+    """forward: keep this rank's chunk of ``dim``; backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return split_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """forward: all-gather along ``dim``; backward: keep this rank's chunk (or reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: dist.ProcessGroup, reduce_grad: bool) -> Tensor:
+        ctx.dim, ctx.group, ctx.reduce_grad = dim, group, reduce_grad
+        return gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if ctx.reduce_grad:
+            return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None, None
+        return split_along(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """forward: reduce-scatter along ``dim``; backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+# -- public API ------------------------------------------------------------------------------------
+def copy_to_tensor_parallel(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Enter a tensor-parallel region with a replicated input (Megatron's ``f``)."""
+    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: Tensor, group: dist.ProcessGroup, inplace: bool = False) -> Tensor:
+    """Leave a tensor-parallel region by summing partial results (Megatron's ``g``).
+
+    ``inplace=True`` reuses ``x``'s memory; only for a fresh tensor nothing else reads.
+    """
+    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group, inplace)
+
+
+def scatter_to_tensor_parallel(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return x if _world(group) == 1 else _Split.apply(x, -1, group)
+
+
+def gather_from_tensor_parallel(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return x if _world(group) == 1 else _Gather.apply(x, -1, group, False)
+
+
+def scatter_to_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
+    return x if _world(group) == 1 else _Split.apply(x, dim, group)
+
+
+def gather_from_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
+    """Enter a tensor-parallel region from a sequence-sharded one (the sequence-parallel ``f``)."""
+    return x if _world(group) == 1 else _Gather.apply(x, dim, group, True)
+
+
+def reduce_scatter_to_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
+    """Leave a tensor-parallel region into a sequence-sharded one (the sequence-parallel ``g``)."""
+    return x if _world(group) == 1 else _ReduceScatter.apply(x, dim, group)

@@ -1,0 +1,418 @@
+"""Tensor-parallel plans: which module of a model becomes which parallel layer, applied from outside.
+
+A plan maps module-name patterns (``fnmatch`` per dotted segment, e.g. ``"blocks.*.attn.q_proj"``)
+to styles. Styles are strings for the common cases or :class:`Style` objects:
+
+=================  ==========================================================================
+``"column"``       ``nn.Linear``/``Conv1D`` -> :class:`ColumnParallelLinear` (output split)
+``"column_prepared"`` the same, without its own input collective (see ``"prepare_input"``)
+``"row"``          ``nn.Linear``/``Conv1D`` -> :class:`RowParallelLinear` (input split, output reduced)
+``"vocab"``        ``nn.Embedding`` -> :class:`VocabParallelEmbedding`
+``"vocab_head"``   the LM head: column-parallel over the (padded) vocabulary, logits stay split
+``"prepare_input"`` enter the tp region once at this module's input (copy, or all-gather with
+                   sequence parallel) so that several ``"column_prepared"`` layers share it
+``"rng"``          run the module's forward with per-tp-rank dropout randomness
+``"sequence_split"`` split the module's output along the sequence (sequence parallel only)
+``"sequence_norm"`` mark the module's parameters as computed on a sequence shard (SP only)
+``"sequence_rng"``  ``"rng"`` only under sequence parallel (dropout on a sequence shard)
+=================  ==========================================================================
+
+Built-in plans exist for the reference :class:`~lightning_3d.models.gpt.GPT` and Hugging Face
+``LlamaForCausalLM`` and ``GPT2LMHeadModel``; :func:`find_plans` picks them by model class.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss, vocab_parallel_cross_entropy
+from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from lightning_3d.tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_from_tensor_parallel,
+    scatter_to_sequence_parallel,
+)
+from lightning_3d.tensor_parallel.random import RNGStatesTracker, run_forward_in_rng_region
+from lightning_3d.tensor_parallel.spec import get_spec, mark_sequence_parallel, replicated_spec, set_spec
+
+PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+@dataclass
+class PlanContext:
+    tp_group: dist.ProcessGroup
+    sequence_parallel: bool
+    tracker: Optional[RNGStatesTracker]
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.tp_group)
+
+
+class Style:
+    """How one module is parallelized. Returns a replacement module, or ``None`` (changed in place)."""
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> Optional[nn.Module]:
+        raise NotImplementedError
+
+
+@dataclass
+class Column(Style):
+    gather_output: bool = False
+    input_is_prepared: bool = False
+    num_blocks: int = 1
+    pad_output: bool = False
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> nn.Module:
+        return ColumnParallelLinear.from_dense(
+            module,
+            tp_group=ctx.tp_group,
+            gather_output=self.gather_output,
+            sequence_parallel=ctx.sequence_parallel,
+            input_is_prepared=self.input_is_prepared,
+            num_blocks=self.num_blocks,
+            pad_output=self.pad_output,
+        )
+
+
+class Row(Style):
+    def apply(self, module: nn.Module, ctx: PlanContext) -> nn.Module:
+        return RowParallelLinear.from_dense(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+
+
+class VocabEmbedding(Style):
+    def apply(self, module: nn.Module, ctx: PlanContext) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"'vocab' style needs an nn.Embedding, got {type(module).__name__}.")
+        return VocabParallelEmbedding.from_dense(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+
+
+def _map_first_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor], names: tuple[str, ...]) -> tuple[tuple, dict]:
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    for name in names:
+        if name in kwargs:
+            return args, {**kwargs, name: fn(kwargs[name])}
+    raise ValueError(f"prepare_input: no positional input and none of {names} in the keyword arguments.")
+
+
+@dataclass
+class PrepareInput(Style):
+    """One entry collective for everything the module's first input feeds."""
+
+    names: tuple[str, ...] = ("hidden_states", "x", "input")
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        group = ctx.tp_group
+        enter = functools.partial(gather_from_sequence_parallel if ctx.sequence_parallel else copy_to_tensor_parallel, group=group)
+
+        def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return _map_first_input(args, kwargs, enter, self.names)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+@dataclass
+class RNGRegion(Style):
+    only_with_sequence_parallel: bool = False
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        if self.only_with_sequence_parallel and not ctx.sequence_parallel:
+            return
+        if ctx.tracker is None:
+            raise ValueError("an 'rng' style needs an RNGStatesTracker in the plan context.")
+        run_forward_in_rng_region(module, ctx.tracker)
+
+
+@dataclass
+class SequenceSplit(Style):
+    dim: int = -2
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        if not ctx.sequence_parallel:
+            return
+        module.register_forward_hook(lambda mod, args, out: scatter_to_sequence_parallel(out, ctx.tp_group, self.dim))
+
+
+class SequenceNorm(Style):
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        if not ctx.sequence_parallel:
+            return
+        for p in module.parameters(recurse=False):
+            mark_sequence_parallel(p, ctx.tp_group)
+
+
+@dataclass
+class DivideAttributes(Style):
+    """Per-rank head counts and split sizes for code that reads them (e.g. HF GPT-2 attention)."""
+
+    names: tuple[str, ...]
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        for name in self.names:
+            value = getattr(module, name)
+            if value % ctx.world:
+                raise ValueError(f"{type(module).__name__}.{name}={value} is not divisible by tensor_parallel={ctx.world}.")
+            setattr(module, name, value // ctx.world)
+
+
+NAMED_STYLES: dict[str, Style] = {
+    "column": Column(),
+    "column_prepared": Column(input_is_prepared=True),
+    "row": Row(),
+    "vocab": VocabEmbedding(),
+    "vocab_head": Column(pad_output=True),
+    "prepare_input": PrepareInput(),
+    "rng": RNGRegion(),
+    "sequence_split": SequenceSplit(),
+    "sequence_norm": SequenceNorm(),
+    "sequence_rng": RNGRegion(only_with_sequence_parallel=True),
+}
+
+StyleSpec = Union[str, Style, Iterable[Union[str, Style]]]
+
+
+@dataclass
+class TensorParallelPlan:
+    """Module-name patterns -> styles, plus model-level steps (validation, loss, outputs)."""
+
+    styles: dict[str, StyleSpec]
+    check: Optional[Callable[[nn.Module, int], None]] = None
+    finalize: Optional[Callable[[nn.Module, PlanContext], None]] = None
+    supports_sequence_parallel: bool = True
+    name: str = "custom"
+    notes: list[str] = field(default_factory=list)
+
+
+def _styles_of(spec: StyleSpec) -> list[Style]:
+    items = [spec] if isinstance(spec, (str, Style)) else list(spec)
+    styles = []
+    for item in items:
+        if isinstance(item, str):
+            if item not in NAMED_STYLES:
+                raise ValueError(f"unknown tensor-parallel style {item!r}; known: {', '.join(NAMED_STYLES)}.")
+            item = NAMED_STYLES[item]
+        styles.append(item)
+    return styles
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, attribute) that hold one and the same Parameter (tied weights)."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name, attr))
+    return [sorted(set(o)) for o in owners.values() if len(set(o)) > 1]
+
+
+def _get(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name) if name else model
+
+
+def apply_plan(model: nn.Module, plan: TensorParallelPlan, ctx: PlanContext) -> nn.Module:
+    """Parallelize ``model`` in place (idempotent) and return it."""
+    if getattr(model, "_tensor_parallel_plan", None) is not None:
+        return model
+    if ctx.sequence_parallel and not plan.supports_sequence_parallel:
+        raise NotImplementedError(f"the {plan.name} plan does not support sequence_parallel=True yet; use sequence_parallel=False.")
+    if plan.check is not None:
+        plan.check(model, ctx.world)
+    ties = _shared_parameters(model)
+    names = [name for name, _ in model.named_modules()]
+    unmatched = set(plan.styles)
+    for name in names:
+        for pattern, spec in plan.styles.items():
+            if not _matches(name, pattern):
+                continue
+            unmatched.discard(pattern)
+            for style in _styles_of(spec):
+                module = _get(model, name)
+                try:
+                    replacement = style.apply(module, ctx)
+                except (ValueError, TypeError) as err:
+                    raise type(err)(f"tensor-parallel plan {plan.name!r}, module {name!r}: {err}") from err
+                if replacement is not None:
+                    parent, _, child = name.rpartition(".")
+                    setattr(_get(model, parent), child, replacement)
+    if unmatched:
+        raise ValueError(f"tensor-parallel plan {plan.name!r}: patterns {sorted(unmatched)} matched no module.")
+    _retie(model, ties)
+    for p in model.parameters():
+        if get_spec(p) is None:
+            set_spec(p, replicated_spec(p, ctx.tp_group))
+    if plan.finalize is not None:
+        plan.finalize(model, ctx)
+    model._tensor_parallel_plan = plan
+    return model
+
+
+def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Tied weights (embedding / LM head) stay tied when both sides were parallelized alike."""
+    for group in ties:
+        params = [getattr(_get(model, m), a) for m, a in group]
+        if all(p is params[0] for p in params):
+            continue
+        specs = [get_spec(p) for p in params]
+        if any(s is None for s in specs) or len({(s.dim, s.padded_size, tuple(p.shape)) for s, p in zip(specs, params)}) != 1:
+            names = [f"{m}.{a}" for m, a in group]
+            raise ValueError(f"tied parameters {names} must be parallelized the same way (e.g. 'vocab' and 'vocab_head').")
+        first_module, first_attr = group[0]
+        for m, a in group[1:]:
+            setattr(_get(model, m), a, getattr(_get(model, first_module), first_attr))
+
+
+# -- built-in plans --------------------------------------------------------------------------------------
+def _require_divisible(values: dict[str, int], world: int) -> None:
+    for what, value in values.items():
+        if value % world:
+            raise ValueError(f"{what}={value} is not divisible by tensor_parallel={world}; pick a tensor_parallel that divides it.")
+
+
+def _gather_logits_hook(vocab_size: int, ctx: PlanContext) -> Callable[..., Any]:
+    """Without targets a model returns logits: give callers the full vocabulary, as at tp=1."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, Tensor):  # GPT: a 0-dim loss with targets, logits without
+            return output if output.dim() == 0 else gather_from_tensor_parallel(output, ctx.tp_group).narrow(-1, 0, vocab_size)
+        if getattr(output, "loss", None) is None and getattr(output, "logits", None) is not None:
+            output.logits = gather_from_tensor_parallel(output.logits, ctx.tp_group).narrow(-1, 0, vocab_size)
+        return output
+
+    return hook
+
+
+def gpt_plan(model: nn.Module) -> TensorParallelPlan:
+    config = model.config
+
+    def check(m: nn.Module, world: int) -> None:
+        _require_divisible({"GPTConfig.n_head": config.n_head, "GPTConfig.ffn_dim": config.ffn_dim}, world)
+
+    def finalize(m: nn.Module, ctx: PlanContext) -> None:
+        m.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp_group=ctx.tp_group, vocab_size=config.vocab_size)
+        m.register_forward_hook(_gather_logits_hook(config.vocab_size, ctx))
+
+    return TensorParallelPlan(
+        name="GPT",
+        styles={
+            "wte": "vocab",
+            "wpe": "sequence_split",
+            "drop": "sequence_rng",
+            "blocks.*.ln_1": "sequence_norm",
+            "blocks.*.attn": "prepare_input",
+            "blocks.*.attn.q_proj": "column_prepared",
+            "blocks.*.attn.k_proj": "column_prepared",
+            "blocks.*.attn.v_proj": "column_prepared",
+            "blocks.*.attn.core": "rng",
+            "blocks.*.attn.o_proj": "row",
+            "blocks.*.attn.resid_dropout": "sequence_rng",
+            "blocks.*.ln_2": "sequence_norm",
+            "blocks.*.mlp.fc": "column",
+            "blocks.*.mlp.proj": "row",
+            "blocks.*.mlp.dropout": "sequence_rng",
+            "ln_f": "sequence_norm",
+            "lm_head": "vocab_head",
+        },
+        check=check,
+        finalize=finalize,
+    )
+
+
+def _hf_finalize(vocab_size: int) -> Callable[[nn.Module, PlanContext], None]:
+    def finalize(m: nn.Module, ctx: PlanContext) -> None:
+        m.loss_function = CausalLMLoss(ctx.tp_group, vocab_size)
+        m.register_forward_hook(_gather_logits_hook(vocab_size, ctx))
+
+    return finalize
+
+
+def llama_plan(model: nn.Module) -> TensorParallelPlan:
+    config = model.config
+
+    def check(m: nn.Module, world: int) -> None:
+        _require_divisible(
+            {
+                "num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": config.num_key_value_heads,
+                "intermediate_size": config.intermediate_size,
+            },
+            world,
+        )
+
+    return TensorParallelPlan(
+        name="LlamaForCausalLM",
+        styles={
+            "model.embed_tokens": "vocab",
+            "model.layers.*.self_attn": "prepare_input",
+            "model.layers.*.self_attn.q_proj": "column_prepared",
+            "model.layers.*.self_attn.k_proj": "column_prepared",
+            "model.layers.*.self_attn.v_proj": "column_prepared",
+            "model.layers.*.self_attn.o_proj": "row",
+            "model.layers.*.mlp": "prepare_input",
+            "model.layers.*.mlp.gate_proj": "column_prepared",
+            "model.layers.*.mlp.up_proj": "column_prepared",
+            "model.layers.*.mlp.down_proj": "row",
+            "lm_head": "vocab_head",
+        },
+        check=check,
+        finalize=_hf_finalize(config.vocab_size),
+        supports_sequence_parallel=False,
+    )
+
+
+def gpt2_plan(model: nn.Module) -> TensorParallelPlan:
+    config = model.config
+
+    def check(m: nn.Module, world: int) -> None:
+        inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
+        _require_divisible({"n_head": config.n_head, "n_inner": inner}, world)
+
+    return TensorParallelPlan(
+        name="GPT2LMHeadModel",
+        styles={
+            "transformer.wte": "vocab",
+            "transformer.h.*.attn": DivideAttributes(("split_size", "num_heads", "embed_dim")),
+            "transformer.h.*.attn.c_attn": Column(num_blocks=3),
+            "transformer.h.*.attn.c_proj": "row",
+            "transformer.h.*.mlp.c_fc": "column",
+            "transformer.h.*.mlp.c_proj": "row",
+            "lm_head": "vocab_head",
+        },
+        check=check,
+        finalize=_hf_finalize(config.vocab_size),
+        supports_sequence_parallel=False,
+    )
+
+
+def builtin_plan(module: nn.Module) -> Optional[TensorParallelPlan]:
+    """The built-in plan for ``module``'s class, if there is one (HF classes matched by name: no import)."""
+    from lightning_3d.models.gpt import GPT
+
+    if isinstance(module, GPT):
+        return gpt_plan(module)
+    hf = {"LlamaForCausalLM": llama_plan, "GPT2LMHeadModel": gpt2_plan}.get(type(module).__name__)
+    return hf(module) if hf is not None else None
+
+
+def find_plans(root: nn.Module) -> list[tuple[str, nn.Module, TensorParallelPlan]]:
+    """(name, module, plan) for the outermost modules inside ``root`` that have a built-in plan."""
+    found: list[tuple[str, nn.Module, TensorParallelPlan]] = []
+    for name, module in root.named_modules():
+        if any(name.startswith(prefix + ".") for prefix, _, _ in found):
+            continue
+        plan = builtin_plan(module)
+        if plan is not None:
+            found.append((name, module, plan))
+    return found

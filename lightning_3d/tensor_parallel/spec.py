@@ -1,0 +1,110 @@
+"""How a tensor-parallel parameter relates to its dense counterpart.
+
+Every parameter of a tensor-parallel model carries a :class:`TPSpec` (``param.tp_spec``):
+
+* ``dim=None``: replicated, identical on every tp rank (layer norms, row-parallel biases);
+  gradient norms count it once. ``sequence_parallel=True`` marks replicated parameters that
+  only see a sequence shard, so their gradients must be summed over the tp group.
+* ``dim=d``: split along ``d``; ``padded_size`` is the split dimension after padding (vocabulary
+  padded to a multiple of tp); ``num_blocks > 1`` means the dense dimension is made of equal
+  blocks that are split separately (a fused q/k/v projection: each rank holds q_r, k_r, v_r).
+
+The spec is what checkpoints use to gather and re-split tensors, and what ZeRO shards further.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_3d.tensor_parallel.mappings import all_reduce, gather_along
+
+SPEC_ATTR = "tp_spec"
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    dim: Optional[int]
+    world: int
+    rank: int
+    full_shape: tuple[int, ...]
+    padded_size: Optional[int] = None
+    num_blocks: int = 1
+    sequence_parallel: bool = False
+    group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.dim is not None and self.world > 1
+
+
+def padded(size: int, world: int) -> int:
+    """``size`` rounded up to a multiple of ``world``."""
+    return -(-size // world) * world
+
+
+def get_spec(param: Tensor) -> Optional[TPSpec]:
+    return getattr(param, SPEC_ATTR, None)
+
+
+def set_spec(param: Tensor, spec: TPSpec) -> None:
+    setattr(param, SPEC_ATTR, spec)
+
+
+def replicated_spec(param: Tensor, group: dist.ProcessGroup, sequence_parallel: bool = False) -> TPSpec:
+    return TPSpec(
+        dim=None,
+        world=dist.get_world_size(group),
+        rank=dist.get_rank(group),
+        full_shape=tuple(param.shape),
+        sequence_parallel=sequence_parallel,
+        group=group,
+    )
+
+
+def mark_sequence_parallel(param: Tensor, group: dist.ProcessGroup) -> None:
+    """A replicated parameter applied to a sequence shard: each rank's gradient is partial, so every
+    backward's contribution is summed over the tp group (a gradient hook: exact under accumulation
+    and repeated backward passes)."""
+    spec = get_spec(param)
+    if spec is not None and spec.sequence_parallel:
+        return
+    set_spec(param, replicated_spec(param, group, sequence_parallel=True))
+    param.register_hook(functools.partial(all_reduce, group=group))
+
+
+def shard_tensor(full: Tensor, dim: int, world: int, rank: int, num_blocks: int = 1, padded_size: Optional[int] = None) -> Tensor:
+    """This rank's shard of a dense tensor (padding the split dimension with zeros if asked)."""
+    if padded_size is not None and padded_size > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded_size - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    blocks = full.chunk(num_blocks, dim=dim)
+    return torch.cat([b.chunk(world, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
+
+
+def shard_like(full: Tensor, spec: TPSpec) -> Tensor:
+    """Re-split a dense tensor (e.g. from a consolidated checkpoint) for the rank ``spec`` describes."""
+    if not spec.is_sharded:
+        return full
+    assert spec.dim is not None
+    return shard_tensor(full, spec.dim, spec.world, spec.rank, spec.num_blocks, spec.padded_size)
+
+
+def gather_full(shard: Tensor, spec: TPSpec) -> Tensor:
+    """The dense tensor from every rank's shard (a collective over ``spec.group``), padding removed."""
+    if not spec.is_sharded:
+        return shard
+    assert spec.dim is not None and spec.group is not None
+    dim = spec.dim % shard.dim()
+    gathered = gather_along(shard, dim, spec.group)
+    if spec.num_blocks > 1:  # (rank-major) q0 k0 v0 q1 k1 v1 -> (block-major) q0 q1 k0 k1 v0 v1
+        pieces = gathered.chunk(spec.world * spec.num_blocks, dim=dim)
+        order = [pieces[r * spec.num_blocks + b] for b in range(spec.num_blocks) for r in range(spec.world)]
+        gathered = torch.cat(order, dim=dim)
+    return gathered.narrow(dim, 0, spec.full_shape[dim])
