@@ -26,12 +26,50 @@ def case(fn: Callable[[int, int], dict[str, Any]]) -> Callable[[int, int], dict[
     return fn
 
 
-def fit_throughput(strategy: str, steps: int, global_batch: int, warmup: int = 5) -> dict[str, float]:
-    """Runs on every rank: tokens/s (all replicas) and peak memory of ``steps`` GPT steps."""
+def model_state_mb(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> float:
+    """Bytes this rank holds for parameters, gradients and optimizer state (DTensors: local shards)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = {}
+    for p in module.parameters():
+        tensors[id(p)] = local(p)
+        if p.grad is not None:
+            tensors[id(p.grad)] = local(p.grad)
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    tensors[id(v)] = local(v)
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+
+
+def _strategy(spec: str) -> tuple[Any, type[GPTModule]]:
+    """A strategy and the module class to train with it, from a short spec such as ``3d:dp=2,tp=2``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_3d import ThreeDParallelStrategy
+
+    name, _, args = spec.partition(":")
+    kwargs = {k: int(v) for k, v in (item.split("=") for item in args.split(",") if item)}
+    if name == "3d":
+        names = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "zero": "zero_stage"}
+        return ThreeDParallelStrategy(**{names[k]: v for k, v in kwargs.items()}), GPTModule
+    if name == "model_parallel":
+        from baselines import DTensorGPTModule
+
+        return ModelParallelStrategy(data_parallel_size=kwargs["dp"], tensor_parallel_size=kwargs["tp"]), DTensorGPTModule
+    return name, GPTModule
+
+
+def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: int = 5) -> dict[str, float]:
+    """Runs on every rank: tokens/s (all replicas), step time and peak memory of ``steps`` GPT steps."""
     import lightning_3d  # noqa: F401  (registers "3d")
 
     L.seed_everything(0)
     throughput = TokenThroughput(warmup=warmup)
+    strategy, module_class = _strategy(strategy_spec)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -44,30 +82,43 @@ def fit_throughput(strategy: str, steps: int, global_batch: int, warmup: int = 5
         enable_model_summary=False,
         callbacks=[throughput],
     )
-    model = GPTModule(GPTConfig(**BENCH_GPT), warmup_steps=2)
+    model = module_class(GPTConfig(**BENCH_GPT), warmup_steps=2)
     model.configure_callbacks = lambda: []  # keep our instance
     trainer.fit(model, TextDataModule(block_size=BENCH_GPT["block_size"], global_batch_size=global_batch, max_bytes=2**21))
-    return {"tokens_per_s": throughput.mean_tokens_per_s, "peak_memory_mb": throughput.peak_memory_mb}
-
-
-def _alternate(world: int, strategies: list[str], steps: int, repeats: int, global_batch: int) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, float]]] = {s: [] for s in strategies}
-    for _ in range(repeats):
-        for s in strategies:
-            runs[s].append(run_on_ranks(fit_throughput, world, s, steps, global_batch, timeout=900)[0])
+    tokens_per_step = global_batch * BENCH_GPT["block_size"]
     return {
-        s: {
-            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1),
-            "peak_memory_mb": round(max(r["peak_memory_mb"] for r in rs), 1),
-        }
-        for s, rs in runs.items()
+        "tokens_per_s": throughput.mean_tokens_per_s,
+        "step_time_s": tokens_per_step / throughput.mean_tokens_per_s,
+        "peak_memory_mb": throughput.peak_memory_mb,
+        "model_state_mb": model_state_mb(model, trainer.optimizers),
     }
+
+
+def _alternate(runs_spec: dict[str, tuple[int, str]], steps: int, repeats: int, global_batch: int) -> dict[str, Any]:
+    """label -> (world size, strategy spec); runs alternate so machine noise spreads evenly."""
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in runs_spec}
+    for _ in range(repeats):
+        for label, (world, spec) in runs_spec.items():
+            runs[label].append(run_on_ranks(fit_throughput, world, spec, steps, global_batch, timeout=900)[0])
+    return {
+        label: {
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1),
+            "step_time_s": round(statistics.median(r["step_time_s"] for r in rs), 4),
+            "peak_memory_mb": round(max(r["peak_memory_mb"] for r in rs), 1),
+            "model_state_mb": round(max(r["model_state_mb"] for r in rs), 2),
+        }
+        for label, rs in runs.items()
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3)
 
 
 @case
 def dp2_vs_ddp(steps: int, repeats: int) -> dict[str, Any]:
     """ThreeDParallelStrategy at dp=2 vs Lightning's DDP: same GPT, 2 CPU ranks, global batch 16 x 128 tokens."""
-    result = _alternate(2, ["3d", "ddp"], steps, repeats, global_batch=16)
+    result = _alternate({"3d": (2, "3d:dp=2"), "ddp": (2, "ddp")}, steps, repeats, global_batch=16)
     ours, theirs = result["3d"], result["ddp"]
     return {
         "case": "dp2_vs_ddp",
@@ -77,6 +128,45 @@ def dp2_vs_ddp(steps: int, repeats: int) -> dict[str, Any]:
         "repeats": repeats,
         "3d": ours,
         "ddp": theirs,
-        "tokens_per_s_ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
-        "peak_memory_ratio": round(ours["peak_memory_mb"] / theirs["peak_memory_mb"], 3),
+        "tokens_per_s_ratio": _ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
+        "peak_memory_ratio": _ratio(ours["peak_memory_mb"], theirs["peak_memory_mb"]),
+    }
+
+
+@case
+def tp2_dp2_vs_model_parallel(steps: int, repeats: int) -> dict[str, Any]:
+    """dp=2 x tp=2 on 4 CPU ranks: ours vs Lightning ModelParallelStrategy (DTensor TP + FSDP2), same GPT and batch."""
+    result = _alternate(
+        {"3d": (4, "3d:dp=2,tp=2"), "model_parallel": (4, "model_parallel:dp=2,tp=2")}, steps, repeats, global_batch=16
+    )
+    ours, theirs = result["3d"], result["model_parallel"]
+    return {
+        "case": "tp2_dp2_vs_model_parallel",
+        "model": BENCH_GPT,
+        "global_batch": 16,
+        "steps": steps,
+        "repeats": repeats,
+        "3d": ours,
+        "model_parallel": theirs,
+        "tokens_per_s_ratio": _ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
+        "peak_memory_ratio": _ratio(ours["peak_memory_mb"], theirs["peak_memory_mb"]),
+        "model_state_ratio": _ratio(ours["model_state_mb"], theirs["model_state_mb"]),
+    }
+
+
+@case
+def tp2_vs_tp1(steps: int, repeats: int) -> dict[str, Any]:
+    """Step time of one model replica split over 2 ranks (tp=2) vs on 1 rank, same GPT and batch."""
+    result = _alternate({"tp2": (2, "3d:tp=2"), "tp1": (1, "3d")}, steps, repeats, global_batch=8)
+    return {
+        "case": "tp2_vs_tp1",
+        "model": BENCH_GPT,
+        "global_batch": 8,
+        "steps": steps,
+        "repeats": repeats,
+        "tp2": result["tp2"],
+        "tp1": result["tp1"],
+        "step_time_ratio": _ratio(result["tp2"]["step_time_s"], result["tp1"]["step_time_s"]),
+        "peak_memory_ratio": _ratio(result["tp2"]["peak_memory_mb"], result["tp1"]["peak_memory_mb"]),
+        "model_state_ratio": _ratio(result["tp2"]["model_state_mb"], result["tp1"]["model_state_mb"]),
     }

@@ -75,13 +75,21 @@ def test_torchrun_two_nodes_of_two(tmp_path):
     assert len({info["checksum"] for info in ranks}) == 1
 
 
-def test_hydra_recipe_with_overrides(tmp_path):
+@pytest.mark.parametrize(
+    ("overrides", "layout"),
+    [
+        (["parallel.data_parallel=2"], {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}),
+        (["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0}),
+    ],
+    ids=["dp2", "tp2-sp"],
+)
+def test_hydra_recipe_with_overrides(tmp_path, overrides, layout):
     run_dir = tmp_path / "run"
     proc = _run(
         [
             sys.executable,
             str(ROOT / "recipes" / "train.py"),
-            "parallel.data_parallel=2",
+            *overrides,
             "trainer.max_steps=12",
             "trainer.val_check_interval=6",
             "trainer.limit_val_batches=2",
@@ -97,7 +105,7 @@ def test_hydra_recipe_with_overrides(tmp_path):
     )
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2 and summary["steps"] == 12
-    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}
+    assert summary["layout"] == layout
     assert summary["train_loss"] < 4.5 and summary["val_loss"] < 4.5  # ln(256) = 5.55 at the start
     assert summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
     assert Path(summary["checkpoint"]).is_file()

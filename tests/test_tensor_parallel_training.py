@@ -16,7 +16,7 @@ from torch import nn
 from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.checkpoint.consolidated import full_state_dict
 from lightning_3d.models import GPT, GPTConfig
-from lightning_3d.tensor_parallel import PlanContext, RNGStatesTracker, apply_plan
+from lightning_3d.tensor_parallel import PlanContext, RNGStatesTracker, TensorParallelPlan, apply_plan
 from lightning_3d.tensor_parallel.plans import gpt_plan
 from lightning_3d.tensor_parallel.random import seed_tracker
 from lightning_3d.testing import run_on_ranks
@@ -223,6 +223,58 @@ def metrics_count_once() -> dict[str, float]:
     return {k: float(v) for k, v in trainer.validate(CountingModule(), verbose=False)[0].items()}
 
 
+def gpt_padded_vocab(tp: int) -> list[float]:
+    """vocab 255 (valid UTF-8 never contains byte 0xFF) is padded to 256 at tp=2."""
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[recorder], strategy=ThreeDParallelStrategy(tensor_parallel=tp))
+    trainer.fit(tiny_gpt(vocab_size=255), tiny_data(global_batch_size=8))
+    return recorder.losses
+
+
+def bf16_mixed(tp: int) -> list[float]:
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(
+        max_steps=6, limit_val_batches=0, callbacks=[recorder], precision="bf16-mixed",
+        strategy=ThreeDParallelStrategy(tensor_parallel=tp),
+    )
+    trainer.fit(tiny_gpt(), tiny_data(global_batch_size=8))
+    return recorder.losses
+
+
+def _error_of(fn: Any) -> str:
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def bad_inputs() -> dict[str, str]:
+    from lightning_3d.tensor_parallel.plans import builtin_plan
+
+    def plan_on(model: nn.Module, sequence_parallel: bool = False) -> None:
+        apply_plan(model, builtin_plan(model), _tp_context(sequence_parallel))
+
+    def llama(**overrides: Any) -> nn.Module:
+        import transformers
+
+        kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**kw, **overrides}))
+
+    return {
+        "heads": _error_of(lambda: plan_on(GPT(GPTConfig(**{**TINY_GPT, "n_head": 1})))),
+        "ffn": _error_of(lambda: plan_on(GPT(GPTConfig(**{**TINY_GPT, "ffn_hidden": 33})))),
+        "kv_heads": _error_of(lambda: plan_on(llama(num_key_value_heads=1))),
+        "intermediate": _error_of(lambda: plan_on(llama(intermediate_size=63))),
+        "hf_sequence_parallel": _error_of(lambda: plan_on(llama(), sequence_parallel=True)),
+        "unknown_style": _error_of(lambda: apply_plan(nn.Sequential(nn.Linear(4, 4)), TensorParallelPlan({"0": "diagonal"}), _tp_context(False))),
+        "unmatched": _error_of(lambda: apply_plan(nn.Sequential(nn.Linear(4, 4)), TensorParallelPlan({"1": "column"}), _tp_context(False))),
+        "no_plan": _error_of(lambda: quiet_trainer(strategy=ThreeDParallelStrategy(tensor_parallel=2), max_steps=1).fit(CountingModule())),
+    }
+
+
 def tp2_world(tmp: str) -> dict[str, Any]:
     checks = {
         "gpt": lambda: gpt_tp_losses(2),
@@ -233,6 +285,9 @@ def tp2_world(tmp: str) -> dict[str, Any]:
         "dropout": dropout_randomness,
         "predict": lambda: predictions(2),
         "checkpoint": lambda: tp_checkpoint(tmp),
+        "padded_vocab": lambda: gpt_padded_vocab(2),
+        "bf16": lambda: bf16_mixed(2),
+        "errors": bad_inputs,
     }
     checks.update({f"hf_{kind}": (lambda kind=kind: hf_losses(kind, 2)) for kind in HF_KINDS})
     return run_checks(checks)
@@ -247,7 +302,13 @@ def tp4_world() -> dict[str, Any]:
 
 
 def reference_world() -> dict[str, Any]:
-    checks = {"gpt": gpt_losses, "gpt_clip": lambda: gpt_tp_losses(1), "predict": lambda: predictions(1)}
+    checks = {
+        "gpt": gpt_losses,
+        "gpt_clip": lambda: gpt_tp_losses(1),
+        "predict": lambda: predictions(1),
+        "padded_vocab": lambda: gpt_padded_vocab(1),
+        "bf16": lambda: bf16_mixed(1),
+    }
     checks.update({f"hf_{kind}": (lambda kind=kind: hf_losses(kind, 1)) for kind in HF_KINDS})
     return run_checks(checks)
 
@@ -348,3 +409,32 @@ def test_torchmetrics_and_sync_dist_count_each_sample_once_with_tp(dp2tp2):
     for r in dp2tp2:
         logged = result_of(r, "metrics")
         assert logged["logged_count"] == 24 and logged["metric_count"] == 24
+
+
+def test_padded_vocabulary_never_affects_the_loss(tp2, single):
+    reference = result_of(single, "padded_vocab")
+    for r in tp2:
+        np.testing.assert_allclose(result_of(r, "padded_vocab"), reference, rtol=1e-5)
+
+
+def test_bf16_mixed_tracks_fp32_within_bf16_tolerance(tp2, single):
+    ours, reference = np.array(result_of(tp2[0], "bf16")), np.array(result_of(single, "bf16"))
+    np.testing.assert_allclose(ours, reference, rtol=2e-2)
+    np.testing.assert_allclose(ours, result_of(single, "gpt_clip")["losses"][:6], rtol=5e-2)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("heads", "GPTConfig.n_head=1 is not divisible by tensor_parallel=2"),
+        ("ffn", "GPTConfig.ffn_dim=33 is not divisible by tensor_parallel=2"),
+        ("kv_heads", "num_key_value_heads=1 is not divisible by tensor_parallel=2"),
+        ("intermediate", "intermediate_size=63 is not divisible by tensor_parallel=2"),
+        ("hf_sequence_parallel", "NotImplementedError: the LlamaForCausalLM plan does not support sequence_parallel=True"),
+        ("unknown_style", "unknown tensor-parallel style 'diagonal'"),
+        ("unmatched", "patterns ['1'] matched no module"),
+        ("no_plan", "CountingModule contains no model with a built-in plan"),
+    ],
+)
+def test_bad_input_is_refused_clearly(tp2, case, message):
+    assert message in result_of(tp2[0], "errors")[case]
