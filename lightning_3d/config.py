@@ -133,7 +133,11 @@ class ParallelConfig:
                 f"micro_batches={self.micro_batches}",
                 "pipeline micro-batching",
             ),
-            (self.zero_stage > 0, f"zero_stage={self.zero_stage}", "ZeRO sharding"),
+            (
+                self.zero_stage == 3 and self.sequence_parallel,
+                "zero_stage=3 with sequence_parallel=True",
+                "sequence parallelism under ZeRO-3 (use zero_stage <= 2, or sequence_parallel=False)",
+            ),
             (
                 self.activation_checkpointing != "none",
                 f"activation_checkpointing={self.activation_checkpointing!r}",
@@ -146,7 +150,7 @@ class ParallelConfig:
             if missing:
                 raise NotImplementedError(
                     f"{setting}: {feature} is not implemented in this version of lightning_3d yet. "
-                    f"Data and tensor parallelism (pipeline_parallel=1, zero_stage=0) are."
+                    f"Data and tensor parallelism with ZeRO stages 0-3 (pipeline_parallel=1) are."
                 )
 
     def to_dict(self) -> dict[str, Any]:

@@ -48,10 +48,14 @@ from lightning_3d.checkpoint.consolidated import (
 from lightning_3d.collectives import broadcast_module_state
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
+from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
 from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
 from lightning_3d.topology import Degree, ParallelDims, Topology, use_topology
-from lightning_3d.zero.grad_reducer import DEFAULT_BUCKET_BYTES, GradientReducer
+from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES
+from lightning_3d.zero.coordinator import ZeroCoordinator
+from lightning_3d.zero.grad_reducer import GradientReducer
+from lightning_3d.zero.memory import memory_report
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +148,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._dims: Optional[ParallelDims] = None
         self._topology: Optional[Topology] = None
-        self._grad_reducer: Optional[GradientReducer] = None
+        self._zero: Optional[ZeroCoordinator] = None
+        self._pending_master: Optional[dict[int, Tensor]] = None
 
     # -- Lightning wiring -----------------------------------------------------------------
     @property
@@ -158,8 +163,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         """Lightning hands us the plugin for ``Trainer(precision=...)``; we use ours where we can."""
-        config = getattr(self, "config", None)
-        self._precision_plugin = adopt_precision(plugin, config.tensor_parallel if config else 1)
+        self._precision_plugin = adopt_precision(plugin)
 
     @property
     def root_device(self) -> torch.device:
@@ -244,6 +248,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
 
     def setup(self, trainer: Trainer) -> None:
+        """Order (DESIGN.md): tensor-parallel plan -> precision -> ZeRO sharding -> optimizers."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -251,21 +256,34 @@ class ThreeDParallelStrategy(ParallelStrategy):
             self._apply_tensor_parallel()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
-        if isinstance(self.precision_plugin, ThreeDPrecision):
-            self.precision_plugin.topology = self.topology
-            self.precision_plugin.device_type = self.root_device.type
-        self.model = self.precision_plugin.convert_module(self.model)
+        precision = self.precision_plugin
+        assert isinstance(precision, ThreeDPrecision)
+        precision.topology, precision.device_type = self.topology, self.root_device.type
+        self.model = precision.convert_module(self.model)
         self.model_to_device()
         topo = self.topology
         broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank())
         self._point_metrics_at_dp_group()
+        if self._zero is None:
+            self._zero = ZeroCoordinator(
+                self.config.zero_stage, topo, precision.compute_dtype, precision.master_dtype, self._bucket_bytes
+            )
+        self._zero.prepare_module(self.model, self.root_device)
         if fitting:
-            self._remove_grad_reducer()
-            self._grad_reducer = GradientReducer(self.model.parameters(), topo.dp_group, self._bucket_bytes)
             self.setup_optimizers(trainer)
+            self.optimizers = self._zero.wrap_optimizers(self.model, self.optimizers)
+            if self._pending_master:
+                self._zero.load_dense_master_weights(self._pending_master)
+            self._pending_master = None
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Per-rank bytes of parameters, gradients, master weights and optimizer state, with the
+        ZeRO formula for this layout next to them (see :func:`lightning_3d.zero.memory.memory_report`)."""
+        assert self.model is not None and self._zero is not None
+        return memory_report(self.model, self.optimizers, self._zero, self.topology)
 
     def _apply_tensor_parallel(self) -> None:
         """Built-in plans for supported models inside the LightningModule, or the user's plan."""
@@ -297,23 +315,33 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     # -- checkpoints: dense tensors, so they load at any layout ---------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Dense weights; with mixed precision the fp32 masters, not the low-precision copies."""
         assert self.lightning_module is not None
-        return full_state_dict(self.lightning_module)
+        masters = self._zero.dense_master_weights() if self._zero is not None else {}
+        return full_state_dict(self.lightning_module, overrides=masters)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        state = shard_state_dict(self.lightning_module, checkpoint["state_dict"])
-        self.lightning_module.load_state_dict(state, strict=strict)
+        module = self.lightning_module
+        assert module is not None
+        module.load_state_dict(shard_state_dict(module, checkpoint["state_dict"]), strict=strict)
+        if self.precision_plugin.mixed:  # keep fp32 precision for the masters built later in setup
+            dense = checkpoint["state_dict"]
+            self._pending_master = {id(p): dense[n] for n, p in module.named_parameters() if n in dense}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if isinstance(optimizer, ZeroOptimizer):
+            return optimizer.state_dict()
         return full_optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_sharded_optimizer_state(optimizer, state)
-            _optimizer_to_device(optimizer, self.root_device)
+            if isinstance(optimizer, ZeroOptimizer):
+                optimizer.load_state_dict(state)
+            else:
+                load_sharded_optimizer_state(optimizer, state)
+                _optimizer_to_device(optimizer, self.root_device)
 
     def _point_metrics_at_dp_group(self) -> None:
         """torchmetrics sync over the world by default; tp/pp peers hold copies of the same samples."""
@@ -332,26 +360,22 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     # -- gradients ------------------------------------------------------------------------
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._grad_reducer is not None:
-            self._grad_reducer.after_backward()
+        if self._zero is not None:
+            self._zero.after_backward()
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no gradient communication until the last micro-step."""
-        if self._grad_reducer is None:
+        if self._zero is None:
             yield
             return
-        with self._grad_reducer.no_sync():
+        with self._zero.no_sync():
             yield
 
     @property
     def grad_reducer(self) -> Optional[GradientReducer]:
-        return self._grad_reducer
-
-    def _remove_grad_reducer(self) -> None:
-        if self._grad_reducer is not None:
-            self._grad_reducer.remove()
-            self._grad_reducer = None
+        """The stage-0 gradient reducer (``None`` under ZeRO 1-3 or mixed precision)."""
+        return self._zero.reducer if self._zero is not None else None
 
     # -- collectives: logging and metrics reduce over the data-parallel group ------------------
     def _default_group(self, group: Optional[Any]) -> Optional[Any]:
@@ -396,5 +420,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def teardown(self) -> None:
-        self._remove_grad_reducer()
+        if self._zero is not None:
+            self._zero.remove()
+            self._zero = None
         super().teardown()

@@ -24,8 +24,8 @@ def world_shape() -> tuple[int, int]:
     return per_node, int(os.environ.get("WORLD_SIZE", per_node)) // per_node
 
 
-def tiny_gpt(**overrides: Any) -> GPTModule:
-    return GPTModule(GPTConfig(**{**TINY_GPT, **overrides}), lr=1e-2, warmup_steps=2)
+def tiny_gpt(lr: float = 1e-2, **overrides: Any) -> GPTModule:
+    return GPTModule(GPTConfig(**{**TINY_GPT, **overrides}), lr=lr, warmup_steps=2)
 
 
 def tiny_data(global_batch_size: int = 8, **overrides: Any) -> TextDataModule:

@@ -73,10 +73,10 @@ def test_bad_values_raise_value_error_naming_them(kwargs, message):
     ("kwargs", "feature"),
     [
         (dict(pipeline_parallel=2), "pipeline parallelism"),
-        (dict(zero_stage=1), "ZeRO sharding"),
+        (dict(zero_stage=3, sequence_parallel=True, tensor_parallel=2), "sequence parallelism under ZeRO-3"),
         (dict(activation_checkpointing="full"), "activation checkpointing"),
         (dict(micro_batches=4), "pipeline micro-batching"),
-        (dict(zero_stage=3, offload_params="cpu"), "ZeRO sharding"),
+        (dict(zero_stage=3, offload_params="cpu"), "parameter offload"),
     ],
 )
 def test_features_of_later_milestones_are_refused_by_name(kwargs, feature):

@@ -1,10 +1,11 @@
-"""Consolidated (dense) state dicts for tensor-parallel models and their optimizers.
+"""Consolidated (dense) state dicts for tensor-parallel and ZeRO-3 models and their optimizers.
 
-Checkpoints hold the *dense* tensors, so they load at any tensor-parallel degree and into a
-plain model without the strategy: saving gathers every sharded parameter (and its optimizer
-state) over the tp group, loading re-splits it for the rank. Gathering costs memory
-proportional to the full model on every rank; sharded checkpoints that never gather are the
-checkpoint milestone's job.
+Checkpoints hold the *dense* tensors, so they load at any tensor-parallel degree or ZeRO stage
+and into a plain model without the strategy: saving gathers every sharded parameter (FSDP2
+DTensors over dp, then ``tp_spec`` slices over tp) and its optimizer state; loading re-splits.
+Gathering costs memory proportional to the full model on every rank; sharded checkpoints that
+never gather are the checkpoint milestone's job. ZeRO 1-2 optimizers produce the same dense
+format themselves (:meth:`ZeroOptimizer.state_dict`).
 """
 
 from __future__ import annotations
@@ -23,29 +24,56 @@ def _sharded_spec(t: Any) -> Optional[TPSpec]:
     return spec if spec is not None and spec.is_sharded else None
 
 
-def full_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` with every tensor-parallel shard gathered (collective over tp)."""
+def to_dense(value: Tensor, spec: Optional[TPSpec]) -> Tensor:
+    """Gather a (DTensor and/or tensor-parallel) shard into the dense tensor (collective)."""
+    value = value.detach()
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return gather_full(value, spec) if spec is not None else value
+
+
+def to_local(dense: Tensor, like: Tensor, spec: Optional[TPSpec]) -> Tensor:
+    """The part of ``dense`` that ``like`` (a local parameter or state tensor) holds on this rank."""
+    local = shard_like(dense, spec) if spec is not None else dense
+    if hasattr(like, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(local.to(like.device, like.dtype), like.device_mesh, like.placements)
+    return local
+
+
+def full_state_dict(module: nn.Module, overrides: Optional[dict[int, Tensor]] = None) -> dict[str, Any]:
+    """``module.state_dict()`` with every shard gathered; ``overrides`` (id(param) -> dense tensor)
+    replace parameters, e.g. by their fp32 master weights."""
+    overrides = overrides or {}
     out: dict[str, Any] = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        spec = _sharded_spec(value)
-        tensor = value.detach() if isinstance(value, Tensor) else value
-        out[key] = gather_full(tensor, spec) if spec is not None else tensor
+        if id(value) in overrides:
+            out[key] = overrides[id(value)]
+        elif isinstance(value, Tensor):
+            out[key] = to_dense(value, _sharded_spec(value))
+        else:
+            out[key] = value
     return out
 
 
 def shard_state_dict(module: nn.Module, full: dict[str, Any]) -> dict[str, Any]:
-    """Re-split a dense state dict for this rank's (possibly tensor-parallel) ``module``."""
+    """Re-split a dense state dict for this rank's (possibly sharded) ``module``."""
     local = module.state_dict(keep_vars=True)
     out = dict(full)
     for key, value in full.items():
-        spec = _sharded_spec(local.get(key))
-        if spec is not None and isinstance(value, Tensor):
-            out[key] = shard_like(value, spec)
+        target = local.get(key)
+        if isinstance(value, Tensor) and isinstance(target, Tensor):
+            out[key] = to_local(value, target, _sharded_spec(target))
     return out
 
 
 def _flat_params(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _is_per_element(value: Any, param: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.shape == param.shape and value.dim() > 0
 
 
 def full_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
@@ -55,26 +83,23 @@ def full_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
     state["state"] = {index: dict(entry) for index, entry in state["state"].items()}
     params = _flat_params(optimizer)
     for index in sorted(state["state"]):
-        spec = _sharded_spec(params[index])
-        if spec is None:
-            continue
+        param = params[index]
         entry = state["state"][index]
         for name, value in entry.items():
-            if isinstance(value, Tensor) and value.shape == params[index].shape:
-                entry[name] = gather_full(value, spec)
+            if _is_per_element(value, param):
+                entry[name] = to_dense(value, _sharded_spec(param))
     return state
 
 
 def load_sharded_optimizer_state(optimizer: Optimizer, full: dict[str, Any]) -> None:
-    """Load a dense optimizer state, keeping this rank's slice of every sharded parameter's state."""
+    """Load a dense optimizer state, keeping this rank's part of every parameter's state."""
     state = copy.copy(full)
     state["state"] = {k: dict(v) for k, v in full["state"].items()}
     params = _flat_params(optimizer)
     for index, entry in state["state"].items():
-        spec = _sharded_spec(params[int(index)])
-        if spec is None:
-            continue
+        param = params[int(index)]
+        spec = _sharded_spec(param)
         for name, value in entry.items():
-            if isinstance(value, Tensor) and tuple(value.shape) == spec.full_shape:
-                entry[name] = shard_like(value, spec)
+            if isinstance(value, Tensor) and value.dim() > 0:
+                entry[name] = to_local(value, param, spec)
     optimizer.load_state_dict(state)

@@ -1,0 +1,122 @@
+"""One object that decides, per ZeRO stage and precision, what reduces gradients and what steps.
+
+=============  ===========================================================================
+stage 0, fp32  :class:`GradientReducer` (DDP-like all-reduce); the user's optimizer as is
+stage 0, mixed :class:`ZeroOptimizer` without sharding (fp32 masters for bf16/fp16 params)
+stages 1, 2    :class:`ZeroOptimizer` (sharded masters and state; stage 2 also gradients)
+stage 3        FSDP2 ``fully_shard`` per block; the user's optimizer over sharded parameters
+=============  ===========================================================================
+
+The strategy only calls :meth:`prepare_module`, :meth:`wrap_optimizers`, :meth:`no_sync`,
+:meth:`after_backward` and the checkpoint/memory helpers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_3d.topology import Topology
+from lightning_3d.zero.fsdp import apply_zero3, materialize_meta, no_gradient_sync
+from lightning_3d.zero.grad_reducer import GradientReducer
+from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
+
+
+class ZeroCoordinator:
+    def __init__(
+        self,
+        stage: int,
+        topology: Topology,
+        compute_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        bucket_bytes: int,
+    ) -> None:
+        self.stage, self.topology = stage, topology
+        self.compute_dtype, self.master_dtype = compute_dtype, master_dtype
+        self.bucket_bytes = bucket_bytes
+        self.reducer: Optional[GradientReducer] = None
+        self.zero_optimizers: list[ZeroOptimizer] = []
+        self.fsdp_roots: list[Any] = []
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute_dtype != self.master_dtype
+
+    def prepare_module(self, module: nn.Module, device: torch.device) -> None:
+        """Stage 3: shard the module (and materialize it if it was built on the meta device)."""
+        if self.stage != 3 or self.fsdp_roots:
+            return
+        mixed = (self.compute_dtype, torch.float32) if self.mixed else (None, None)
+        self.fsdp_roots = apply_zero3(module, self.topology.mesh["dp"], *mixed)
+        materialize_meta(module, device)
+
+    def wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Any]:
+        self.remove()
+        if self.stage == 3:
+            return optimizers
+        if self.stage == 0 and not self.mixed:
+            self.reducer = GradientReducer(module.parameters(), self.topology.dp_group, self.bucket_bytes)
+            return optimizers
+        seen: dict[int, int] = {}
+        for i, opt in enumerate(optimizers):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if seen.setdefault(id(p), i) != i:
+                        raise ValueError(
+                            f"zero_stage={self.stage}: a parameter belongs to optimizers {seen[id(p)]} and {i}; with "
+                            f"ZeRO (or mixed precision) every parameter must have exactly one optimizer."
+                        )
+        self.zero_optimizers = [
+            ZeroOptimizer(
+                opt,
+                self.topology.dp_group,
+                self.stage,
+                compute_dtype=self.compute_dtype,
+                master_dtype=self.master_dtype,
+                tp_group=self.topology.tp_group,
+                bucket_bytes=self.bucket_bytes,
+            )
+            for opt in optimizers
+        ]
+        return list(self.zero_optimizers)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            if self.reducer is not None:
+                stack.enter_context(self.reducer.no_sync())
+            for opt in self.zero_optimizers:
+                stack.enter_context(opt.grads.no_sync())
+            if self.fsdp_roots:
+                stack.enter_context(no_gradient_sync(self.fsdp_roots))
+            yield
+
+    def after_backward(self) -> None:
+        if self.reducer is not None:
+            self.reducer.after_backward()
+        for opt in self.zero_optimizers:
+            opt.grads.after_backward()
+
+    def dense_master_weights(self) -> dict[int, Tensor]:
+        """id(param) -> dense fp32 master weight, for checkpoints (mixed precision, stages 0-2)."""
+        out: dict[int, Tensor] = {}
+        for opt in self.zero_optimizers:
+            out.update(opt.dense_master())
+        return out
+
+    def load_dense_master_weights(self, dense: dict[int, Tensor]) -> None:
+        for opt in self.zero_optimizers:
+            opt.load_dense_master(dense)
+
+    def remove(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+        for opt in self.zero_optimizers:
+            opt.remove()
+        self.zero_optimizers = []

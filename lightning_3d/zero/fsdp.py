@@ -1,0 +1,90 @@
+"""ZeRO stage 3 on torch's FSDP2 (``fully_shard``).
+
+FSDP2 shards every parameter over the data-parallel mesh, all-gathers a layer's parameters just
+before it runs (prefetching the next layer) and reduce-scatters its gradients right after, so no
+rank holds the full model between layers. It composes with our tensor parallelism because our
+tensor-parallel parameters are ordinary tensors holding this rank's slice: FSDP2 simply shards
+that slice further over the dp ranks that share it.
+
+Units: every child of every ``nn.ModuleList`` (the transformer blocks) becomes one FSDP unit,
+then each top-level child of the LightningModule that owns parameters (the model itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_3d.tensor_parallel.spec import get_spec, set_spec
+
+
+def fsdp_units(root: nn.Module) -> list[nn.Module]:
+    """Blocks first (children of ModuleLists), then the top-level children that own parameters."""
+    units: list[nn.Module] = []
+    for module in root.modules():
+        if isinstance(module, nn.ModuleList):
+            units.extend(child for child in module if any(True for _ in child.parameters()))
+    units.extend(child for child in root.children() if any(True for _ in child.parameters()))
+    return units
+
+
+def apply_zero3(
+    root: nn.Module,
+    dp_mesh: DeviceMesh,
+    compute_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> list[FSDPModule]:
+    """Shard ``root``'s submodules in place; tensor-parallel specs survive the parameter swap."""
+    if any(True for _ in root.parameters(recurse=False)):
+        names = [n for n, _ in root.named_parameters(recurse=False)]
+        raise ValueError(
+            f"zero_stage=3 shards the LightningModule's submodules, but {type(root).__name__} owns parameters "
+            f"directly ({names}); move them into a submodule."
+        )
+    specs = {name: get_spec(p) for name, p in root.named_parameters(remove_duplicate=False)}
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    top: list[FSDPModule] = []
+    top_level = set(map(id, root.children()))
+    for unit in fsdp_units(root):
+        sharded = fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+        if id(unit) in top_level:
+            top.append(sharded)
+    for name, p in root.named_parameters(remove_duplicate=False):
+        if specs.get(name) is not None:
+            set_spec(p, specs[name])
+    return top
+
+
+@contextmanager
+def no_gradient_sync(roots: list[FSDPModule]) -> Iterator[None]:
+    """Gradient accumulation without communication (FSDP2 keeps unsharded gradients meanwhile)."""
+    for r in roots:
+        r.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for r in roots:
+            r.set_requires_gradient_sync(True)
+
+
+def materialize_meta(root: nn.Module, device: torch.device) -> bool:
+    """Allocate this rank's shards of a model built on the meta device and initialize them.
+
+    Returns whether anything was on the meta device. Initialization runs each module's
+    ``reset_parameters`` (a model-level one, like ``GPT.reset_parameters``, runs last and wins).
+    """
+    if not any(p.is_meta for p in root.parameters()):
+        return False
+    root.to_empty(device=device)
+    with torch.no_grad():
+        for module in root.modules():
+            reset: Any = getattr(module, "reset_parameters", None)
+            if callable(reset) and module is not root:
+                reset()
+    return True

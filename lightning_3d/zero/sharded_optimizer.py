@@ -1,0 +1,421 @@
+"""ZeRO stages 1 and 2 (and mixed-precision stage 0) around any ``torch.optim`` optimizer.
+
+Each optimizer parameter group is packed, in gradient-ready order, into fixed-size buckets. A
+bucket owns a flat buffer in the compute dtype; the model's parameters become views into it.
+Every bucket is split evenly over the data-parallel ranks (Megatron's distributed-optimizer
+layout), so one reduce-scatter per bucket leaves each rank the averaged gradient of its slice,
+and one all-gather per bucket after the step returns the updated slices to everyone: 2 psi of
+traffic per step, like DDP.
+
+The user's optimizer object is kept (Lightning, LR schedulers and ``toggle_optimizer`` keep
+seeing the model parameters in its ``param_groups``); a shallow copy of it -- the *inner*
+optimizer -- runs on this rank's slices of the fp32 master weights, so its state exists only
+for the slice. Hyper-parameters (``lr`` set by schedulers, ...) are copied from the user's groups
+to the inner ones before every step.
+
+Per stage, with ``psi`` local parameters on ``N`` data-parallel ranks (bf16-mixed, Adam):
+
+* stage 0: full gradients all-reduced, full master and state on every rank: 16 psi;
+* stage 1: a persistent full gradient staging buffer (views are ``param.grad``) that is
+  reduce-scattered, the reduced slice kept in place: 2 + 2 + 12/N psi;
+* stage 2: gradients are copied into transient buckets as they arrive and ``param.grad`` is
+  released; only the reduced slice is kept: 2 + 14/N psi.
+
+Gradient accumulation (``no_sync``) communicates nothing: gradients accumulate locally (stage 2
+then holds full gradients until the synchronizing micro-step).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
+
+from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
+from lightning_3d.tensor_parallel.mappings import gather_along
+from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, unique_trainable
+
+REDUCE_DTYPE = torch.float32
+
+
+def _reduce_scatter(out: Tensor, inp: Tensor, group: dist.ProcessGroup) -> Optional[dist.Work]:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+@dataclass
+class _Bucket:
+    params: list[Parameter]
+    offsets: list[int]
+    padded: int
+    shard_start: int
+    shard_size: int
+    group_index: int
+    param_buf: Tensor  # (padded,) compute dtype; params are views into it
+    master: Tensor  # (shard_size,) fp32 master slice, or a view of param_buf when dtypes match
+    grad_buf: Optional[Tensor] = None  # stage 0/1: persistent staging buffer (param.grad are views)
+    grad_shard: Optional[Tensor] = None  # stage 2: reduced slice; stage 0/1 use grad_buf's slice
+    send: Optional[Tensor] = None  # transient fp32 reduction input
+    recv: Optional[Tensor] = None  # transient fp32 reduce-scatter output
+    present: list[bool] = field(default_factory=list)
+    reduced: bool = False  # this bucket's slice holds a reduced gradient not yet consumed by a step
+    counted: list[tuple[int, int]] = field(default_factory=list)  # slice ranges counted in norms here
+
+    def view(self, buf: Tensor, i: int) -> Tensor:
+        p = self.params[i]
+        return buf[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+    def slice_of(self, buf: Tensor) -> Tensor:
+        return buf[self.shard_start : self.shard_start + self.shard_size]
+
+
+class ShardedGradients(BucketedBackward[_Bucket]):
+    """The backward half of :class:`ZeroOptimizer`: bucket reductions into per-rank slices.
+
+    Stages 0/1 accumulate into the persistent staging buffer (``param.grad`` are views into it)
+    and reduce it once per step. Stage 2 -- and stages 0/1 when a second synchronizing backward
+    reaches a bucket before the optimizer stepped -- copies each new gradient into a transient
+    bucket, releases ``param.grad`` and *adds* the reduction to the slice. After a reduction
+    ``param.grad`` is ``None``: the reduced gradient lives in the optimizer's slice.
+    """
+
+    def __init__(self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int) -> None:
+        super().__init__(group)
+        self.stage = stage
+        self._register(buckets)
+
+    def _transient(self, bucket: _Bucket) -> bool:
+        return self.stage == 2 or bucket.reduced
+
+    def _gradient_ready(self, bucket: _Bucket, index: int, param: Parameter) -> bool:
+        if bucket.present[index]:
+            return False
+        if self._transient(bucket):
+            self._stage(bucket, index, param)
+        else:
+            view = bucket.view(bucket.grad_buf, index)
+            if param.grad is not view:  # autograd created a fresh tensor (grad was None)
+                view.copy_(param.grad)
+                param.grad = view
+        bucket.present[index] = True
+        return True
+
+    def _stage(self, bucket: _Bucket, index: int, param: Parameter) -> None:
+        """Move the gradient into a transient bucket and release ``param.grad``."""
+        if bucket.send is None:
+            bucket.send = torch.zeros(bucket.padded, dtype=REDUCE_DTYPE, device=bucket.param_buf.device)
+        if param.grad is not None:
+            bucket.view(bucket.send, index).copy_(param.grad)
+            param.grad = None
+
+    def _launch(self, bucket: _Bucket) -> Optional[dist.Work]:
+        if self._transient(bucket):
+            for i, p in enumerate(bucket.params):
+                if not bucket.present[i]:
+                    self._stage(bucket, i, p)  # accumulated in earlier micro-steps, or zeros
+            send = bucket.send
+        else:
+            send = bucket.grad_buf if bucket.grad_buf.dtype == REDUCE_DTYPE else bucket.grad_buf.to(REDUCE_DTYPE)
+            bucket.send = send
+        send.mul_(1.0 / self.world)
+        if self.stage == 0:
+            return dist.all_reduce(send, group=self.group, async_op=True)
+        bucket.recv = torch.empty(bucket.shard_size, dtype=REDUCE_DTYPE, device=send.device)
+        return _reduce_scatter(bucket.recv, send, self.group)
+
+    def _complete(self, bucket: _Bucket) -> None:
+        reduced = bucket.send if self.stage == 0 else bucket.recv  # stage 0: the slice is the whole bucket
+        if self.stage == 2:
+            if bucket.grad_shard is None:
+                bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=bucket.param_buf.dtype, device=reduced.device)
+            bucket.grad_shard.add_(reduced)
+        elif bucket.reduced:  # a second synchronizing backward this step: add to the held slice
+            bucket.slice_of(bucket.grad_buf).add_(reduced)
+        else:  # the staging buffer is consumed: zero it, keep the reduced slice in place
+            if reduced is bucket.grad_buf:
+                reduced = reduced.clone()
+            bucket.grad_buf.zero_()
+            bucket.slice_of(bucket.grad_buf).copy_(reduced)
+            for p in bucket.params:
+                p.grad = None
+        bucket.send = bucket.recv = None
+        bucket.present = [False] * len(bucket.params)
+        bucket.reduced = True
+
+    def grad_slice(self, bucket: _Bucket) -> Optional[Tensor]:
+        """The reduced gradient of this rank's slice (``None`` if nothing was reduced yet)."""
+        if self.stage == 2:
+            return bucket.grad_shard
+        return bucket.slice_of(bucket.grad_buf) if bucket.reduced else None
+
+
+class ZeroOptimizer:
+    """Wraps a user optimizer for ZeRO stages 0 (mixed precision), 1 and 2. See the module docstring.
+
+    Args:
+        optimizer: the optimizer from ``configure_optimizers`` (over the model's parameters).
+        dp_group: the data-parallel group the state is sharded over.
+        stage: 0, 1 or 2.
+        compute_dtype: dtype of the model's parameters and gradients (bf16/fp16 for mixed modes).
+        master_dtype: dtype of the master weights the inner optimizer updates (fp32 normally).
+        tp_group: the tensor-parallel group (for counting replicated parameters once in norms).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        dp_group: dist.ProcessGroup,
+        stage: int,
+        compute_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeroOptimizer handles stages 0-2, got {stage}.")
+        self.optimizer = optimizer
+        self.dp_group, self.tp_group, self.stage = dp_group, tp_group, stage
+        self.compute_dtype, self.master_dtype = compute_dtype, master_dtype
+        dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        shards = 1 if stage == 0 else dp
+        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        buckets: list[_Bucket] = []
+        seen: set[int] = set()
+        for g_idx, group in enumerate(optimizer.param_groups):
+            params = [p for p in unique_trainable(group["params"]) if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            for members in assign_buckets(params[::-1], bucket_bytes):
+                buckets.append(self._build_bucket(members, g_idx, shards, 0 if stage == 0 else rank, tp_rank))
+        self.buckets = buckets
+        self.grads = ShardedGradients(buckets, dp_group, stage)
+        self.inner = self._inner_optimizer()
+        self.state = self.optimizer.state  # Lightning moves/inspects this; ours lives in self.inner
+
+    # -- construction ------------------------------------------------------------------------
+    def _build_bucket(self, params: list[Parameter], g_idx: int, shards: int, rank: int, tp_rank: int) -> _Bucket:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        padded = -(-total // shards) * shards
+        device = params[0].device
+        exact = torch.zeros(padded, dtype=self.master_dtype, device=device)
+        for p, off in zip(params, offsets):
+            exact[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        shard_size = padded // shards
+        shard_start = rank * shard_size
+        if self.compute_dtype == self.master_dtype:
+            param_buf = exact
+            master = exact[shard_start : shard_start + shard_size]
+        else:
+            param_buf = exact.to(self.compute_dtype)
+            master = exact[shard_start : shard_start + shard_size].clone()
+        for p, off in zip(params, offsets):
+            p.data = param_buf[off : off + p.numel()].view_as(p)
+        bucket = _Bucket(params, offsets, padded, shard_start, shard_size, g_idx, param_buf, master)
+        bucket.present = [False] * len(params)
+        if self.stage < 2:
+            bucket.grad_buf = torch.zeros(padded, dtype=self.compute_dtype, device=device)
+            for i, p in enumerate(params):
+                p.grad = bucket.view(bucket.grad_buf, i)
+        # Slice ranges whose squares count toward the global norm on this rank: tensor-parallel
+        # shards always; replicated parameters only on tp rank 0.
+        for p, off in zip(params, offsets):
+            spec = get_spec(p)
+            if tp_rank == 0 or (spec is not None and spec.is_sharded):
+                lo, hi = max(off, shard_start), min(off + p.numel(), shard_start + shard_size)
+                if lo < hi:
+                    bucket.counted.append((lo - shard_start, hi - shard_start))
+        return bucket
+
+    def _inner_optimizer(self) -> Optimizer:
+        """A shallow copy of the user's optimizer over this rank's master slices."""
+        inner = copy.copy(self.optimizer)
+        inner.__dict__.pop("step", None)  # LR schedulers patch the instance's step; ours is the class's
+        groups = []
+        for g_idx, group in enumerate(self.optimizer.param_groups):
+            masters = [b.master for b in self.buckets if b.group_index == g_idx]
+            groups.append({**group, "params": masters})
+        inner.param_groups = groups
+        inner.state = defaultdict(dict)
+        try:  # optimizers that create state eagerly in __init__ (Adagrad)
+            fresh = type(self.optimizer)([dict(g) for g in groups], **self.optimizer.defaults)
+            inner.state = fresh.state
+        except Exception:  # noqa: BLE001 - a custom constructor: lazily created state only
+            pass
+        return inner
+
+    # -- the Optimizer surface Lightning uses ------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for bucket in self.buckets:
+            if bucket.grad_buf is not None:
+                bucket.grad_buf.zero_()
+                for i, p in enumerate(bucket.params):
+                    p.grad = bucket.view(bucket.grad_buf, i)
+            else:
+                bucket.grad_shard = None
+                for p in bucket.params:
+                    p.grad = None
+            bucket.reduced = False
+
+    def _grad_slices(self) -> Iterator[tuple[_Bucket, Tensor]]:
+        for bucket in self.buckets:
+            grad = self.grads.grad_slice(bucket)
+            if grad is not None:
+                yield bucket, grad
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = closure() if closure is not None else None
+        for inner_group, group in zip(self.inner.param_groups, self.optimizer.param_groups):
+            inner_group.update({k: v for k, v in group.items() if k != "params"})
+        stepped = []
+        for bucket, grad in self._grad_slices():
+            bucket.master.grad = grad if grad.dtype == bucket.master.dtype else grad.to(bucket.master.dtype)
+            stepped.append(bucket)
+        self.inner.step()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  (LR schedulers check it)
+        handles = []
+        for bucket in stepped:
+            bucket.master.grad = None
+            mine = bucket.slice_of(bucket.param_buf)
+            if mine.data_ptr() != bucket.master.data_ptr():
+                mine.copy_(bucket.master)
+            if self.stage > 0:
+                handles.append(dist.all_gather_into_tensor(bucket.param_buf, mine.clone(), group=self.dp_group, async_op=True))
+        for h in handles:
+            h.wait()
+        self.zero_grad()
+        return loss
+
+    # -- precision support: unscale, overflow, global norm ----------------------------------------------
+    def unscale_(self, inv_scale: float) -> None:
+        for _, grad in self._grad_slices():
+            grad.mul_(inv_scale)
+
+    def local_overflow(self) -> bool:
+        return any(not torch.isfinite(grad).all() for _, grad in self._grad_slices())
+
+    def grad_norm_squared(self) -> Tensor:
+        """Sum of squared gradient entries over the whole model (a collective over dp and tp)."""
+        device = self.buckets[0].param_buf.device if self.buckets else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for bucket, grad in self._grad_slices():
+            for lo, hi in bucket.counted:
+                total += grad[lo:hi].float().pow(2).sum()
+        if self.stage > 0:
+            dist.all_reduce(total, group=self.dp_group)
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(total, group=self.tp_group)
+        return total
+
+    def scale_grads_(self, factor: Tensor) -> None:
+        for _, grad in self._grad_slices():
+            grad.mul_(factor.to(grad.device, grad.dtype))
+
+    # -- checkpoints: dense per-parameter tensors, as a plain optimizer over the model would save ---------
+    def _flat_params(self) -> list[Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _full_bucket(self, bucket: _Bucket, local: Tensor) -> Tensor:
+        """All-gather a per-rank slice tensor back to the whole bucket (stage 0: already whole)."""
+        if self.stage == 0:
+            return local
+        return gather_along(local.contiguous(), 0, self.dp_group)
+
+    def dense_master(self) -> dict[int, Tensor]:
+        """id(param) -> dense (tp-gathered) master weight; empty when the master is the parameter."""
+        out: dict[int, Tensor] = {}
+        if self.compute_dtype == self.master_dtype:
+            return out
+        for bucket in self.buckets:
+            full = self._full_bucket(bucket, bucket.master)
+            for i, p in enumerate(bucket.params):
+                out[id(p)] = _dense(bucket.view(full, i), get_spec(p))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        index = {id(p): i for i, p in enumerate(self._flat_params())}
+        state: dict[int, dict[str, Any]] = {}
+        for bucket in self.buckets:
+            inner_state = self.inner.state.get(bucket.master, {})
+            full = {k: self._full_bucket(bucket, v) if _is_slice_state(v, bucket) else v for k, v in inner_state.items()}
+            for i, p in enumerate(bucket.params):
+                entry = state.setdefault(index[id(p)], {})
+                for name, value in full.items():
+                    entry[name] = _dense(bucket.view(value, i), get_spec(p)) if _is_bucket_state(value, bucket) else value
+        groups = []
+        for group in self.optimizer.param_groups:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a dense optimizer state (from any layout) and keep this rank's slice of it."""
+        params = self._flat_params()
+        index = {id(p): i for i, p in enumerate(params)}
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        for bucket in self.buckets:
+            entries = [saved_state.get(index[id(p)]) for p in bucket.params]
+            if any(e is None for e in entries):
+                continue
+            names = entries[0].keys()
+            inner: dict[str, Any] = {}
+            for name in names:
+                values = [e[name] for e in entries]
+                if isinstance(values[0], Tensor) and values[0].dim() > 0:
+                    flat = torch.zeros(bucket.padded, dtype=values[0].dtype, device=bucket.master.device)
+                    for i, (p, v) in enumerate(zip(bucket.params, values)):
+                        bucket.view(flat, i).copy_(_local(v, get_spec(p)))
+                    inner[name] = bucket.slice_of(flat).clone()
+                else:
+                    inner[name] = values[0].clone() if isinstance(values[0], Tensor) else values[0]
+            self.inner.state[bucket.master] = inner
+
+    def load_dense_master(self, dense: dict[int, Tensor]) -> None:
+        """Set master slices (and parameters) from dense fp32 weights keyed by id(param)."""
+        for bucket in self.buckets:
+            if not all(id(p) in dense for p in bucket.params):
+                continue
+            flat = torch.zeros(bucket.padded, dtype=self.master_dtype, device=bucket.master.device)
+            for i, p in enumerate(bucket.params):
+                bucket.view(flat, i).copy_(_local(dense[id(p)], get_spec(p)))
+            bucket.master.copy_(bucket.slice_of(flat))
+            bucket.param_buf.copy_(flat)
+
+    def remove(self) -> None:
+        self.grads.remove()
+
+
+def _is_slice_state(value: Any, bucket: _Bucket) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_size
+
+
+def _is_bucket_state(value: Any, bucket: _Bucket) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.padded
+
+
+def _dense(local: Tensor, spec: Optional[TPSpec]) -> Tensor:
+    local = local.detach().clone()
+    return gather_full(local, spec) if spec is not None and spec.is_sharded else local
+
+
+def _local(dense: Tensor, spec: Optional[TPSpec]) -> Tensor:
+    return shard_like(dense, spec) if spec is not None and spec.is_sharded else dense
