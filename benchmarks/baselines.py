@@ -34,3 +34,18 @@ class DTensorGPTModule(GPTModule):
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
         self.model = model
+
+
+class FullyShardGPTModule(GPTModule):
+    """GPTModule sharded with plain FSDP2 (``fully_shard`` per block, then the model) over all ranks:
+    the torch-native ZeRO-3, used with ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``."""
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = GPT(self.config)
+        dp_mesh = self.device_mesh["data_parallel"]
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        self.model = model

@@ -60,7 +60,25 @@ def _strategy(spec: str) -> tuple[Any, type[GPTModule]]:
         from baselines import DTensorGPTModule
 
         return ModelParallelStrategy(data_parallel_size=kwargs["dp"], tensor_parallel_size=kwargs["tp"]), DTensorGPTModule
+    if name == "fully_shard":
+        from baselines import FullyShardGPTModule
+
+        return ModelParallelStrategy(data_parallel_size=kwargs["dp"], tensor_parallel_size=1), FullyShardGPTModule
     return name, GPTModule
+
+
+class StateMemory(L.Callback):
+    """Model-state bytes at the end of training, before teardown releases anything."""
+
+    def __init__(self) -> None:
+        self.mb = float("nan")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        report = getattr(trainer.strategy, "memory_report", None)
+        if report is not None:
+            self.mb = report()["total"] / 2**20
+        else:
+            self.mb = model_state_mb(pl_module, trainer.optimizers)
 
 
 def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: int = 5) -> dict[str, float]:
@@ -68,7 +86,7 @@ def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: in
     import lightning_3d  # noqa: F401  (registers "3d")
 
     L.seed_everything(0)
-    throughput = TokenThroughput(warmup=warmup)
+    throughput, state = TokenThroughput(warmup=warmup), StateMemory()
     strategy, module_class = _strategy(strategy_spec)
     trainer = L.Trainer(
         strategy=strategy,
@@ -80,7 +98,7 @@ def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: in
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[throughput],
+        callbacks=[throughput, state],
     )
     model = module_class(GPTConfig(**BENCH_GPT), warmup_steps=2)
     model.configure_callbacks = lambda: []  # keep our instance
@@ -90,7 +108,7 @@ def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: in
         "tokens_per_s": throughput.mean_tokens_per_s,
         "step_time_s": tokens_per_step / throughput.mean_tokens_per_s,
         "peak_memory_mb": throughput.peak_memory_mb,
-        "model_state_mb": model_state_mb(model, trainer.optimizers),
+        "model_state_mb": state.mb,
     }
 
 
@@ -169,4 +187,37 @@ def tp2_vs_tp1(steps: int, repeats: int) -> dict[str, Any]:
         "step_time_ratio": _ratio(result["tp2"]["step_time_s"], result["tp1"]["step_time_s"]),
         "peak_memory_ratio": _ratio(result["tp2"]["peak_memory_mb"], result["tp1"]["peak_memory_mb"]),
         "model_state_ratio": _ratio(result["tp2"]["model_state_mb"], result["tp1"]["model_state_mb"]),
+    }
+
+
+@case
+def zero_stages_vs_ddp(steps: int, repeats: int) -> dict[str, Any]:
+    """ZeRO 1/2/3 at dp=2 vs Lightning's DDP (fp32 AdamW): tokens/s and per-rank model-state memory."""
+    runs = {"ddp": (2, "ddp"), "zero1": (2, "3d:dp=2,zero=1"), "zero2": (2, "3d:dp=2,zero=2"), "zero3": (2, "3d:dp=2,zero=3")}
+    result = _alternate(runs, steps, repeats, global_batch=16)
+    ddp = result["ddp"]
+    out: dict[str, Any] = {"case": "zero_stages_vs_ddp", "model": BENCH_GPT, "global_batch": 16, "steps": steps, "repeats": repeats}
+    out.update(result)
+    for stage in ("zero1", "zero2", "zero3"):
+        out[f"{stage}_tokens_per_s_ratio"] = _ratio(result[stage]["tokens_per_s"], ddp["tokens_per_s"])
+        out[f"{stage}_model_state_ratio"] = _ratio(result[stage]["model_state_mb"], ddp["model_state_mb"])
+        out[f"{stage}_peak_memory_ratio"] = _ratio(result[stage]["peak_memory_mb"], ddp["peak_memory_mb"])
+    return out
+
+
+@case
+def zero3_vs_fully_shard(steps: int, repeats: int) -> dict[str, Any]:
+    """Our ZeRO-3 vs plain torch FSDP2 (fully_shard via ModelParallelStrategy), dp=2, same GPT and batch."""
+    result = _alternate({"zero3": (2, "3d:dp=2,zero=3"), "fully_shard": (2, "fully_shard:dp=2")}, steps, repeats, global_batch=16)
+    ours, theirs = result["zero3"], result["fully_shard"]
+    return {
+        "case": "zero3_vs_fully_shard",
+        "model": BENCH_GPT,
+        "global_batch": 16,
+        "steps": steps,
+        "repeats": repeats,
+        "zero3": ours,
+        "fully_shard": theirs,
+        "tokens_per_s_ratio": _ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
+        "model_state_ratio": _ratio(ours["model_state_mb"], theirs["model_state_mb"]),
     }

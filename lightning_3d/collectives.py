@@ -26,9 +26,12 @@ def broadcast_tensors(tensors: Iterable[Tensor], group: dist.ProcessGroup, src: 
 
 
 def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup, src: int) -> None:
-    """Make every replica in ``group`` start from ``src``'s parameters and buffers."""
+    """Make every replica in ``group`` start from ``src``'s parameters and buffers.
+
+    DTensors (already sharded by ZeRO-3) are skipped: each rank rightly holds a different shard.
+    """
     if dist.get_world_size(group) == 1:
         return
-    tensors = [p for p in module.parameters()] + [b for b in module.buffers()]
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if not hasattr(t, "device_mesh")]
     unique = list({id(t): t for t in tensors}.values())
     broadcast_tensors(unique, group, src)

@@ -260,9 +260,16 @@ class ThreeDParallelStrategy(ParallelStrategy):
         assert isinstance(precision, ThreeDPrecision)
         precision.topology, precision.device_type = self.topology, self.root_device.type
         self.model = precision.convert_module(self.model)
-        self.model_to_device()
         topo = self.topology
-        broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank())
+        on_meta = any(p.is_meta for p in self.model.parameters())
+        if on_meta and self.config.zero_stage != 3:
+            raise ValueError(
+                f"the model was built on the meta device, which only zero_stage=3 materializes (shard by shard); "
+                f"got zero_stage={self.config.zero_stage}. Build it on a real device, or use zero_stage=3."
+            )
+        if not on_meta:  # a meta model is materialized shard by shard by ZeRO-3 below
+            self.model_to_device()
+            broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank())
         self._point_metrics_at_dp_group()
         if self._zero is None:
             self._zero = ZeroCoordinator(
@@ -420,7 +427,6 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def teardown(self) -> None:
-        if self._zero is not None:
+        if self._zero is not None:  # kept: ZeRO-3's sharding stays applied for a later validate/test
             self._zero.remove()
-            self._zero = None
         super().teardown()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.models import GPTConfig, GPTModule
+from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.precision import ThreeDPrecision
 from lightning_3d.testing import run_on_ranks
 from tests.helpers import TINY_GPT, LossRecorder, param_checksum, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
@@ -172,6 +172,37 @@ def fp16_overflow() -> dict[str, Any]:
     }
 
 
+class MetaGPT(GPTModule):
+    """Builds the model on the meta device: ZeRO-3 allocates and initializes only each rank's shards."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = GPT(self.config)
+
+
+def meta_init() -> dict[str, Any]:
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    model = MetaGPT(GPTConfig(**TINY_GPT), lr=3e-3)
+    quiet_trainer(max_steps=10, limit_val_batches=0, callbacks=[recorder], strategy=_strategy(3)).fit(model, tiny_data())
+    q = model.model.blocks[0].attn.q_proj.weight.to_local()
+    return {"losses": recorder.losses, "std": float(q.std()), "local_shape": list(q.shape), "first_row": q[0].tolist()}
+
+
+def fit_then_evaluate(stage: int) -> dict[str, Any]:
+    """One Trainer: fit, then validate and fit again (the sharding is applied once and kept)."""
+    L.seed_everything(0)
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=2, strategy=_strategy(stage), precision="bf16-mixed")
+    model = tiny_gpt()
+    data = tiny_data()
+    trainer.fit(model, data)
+    validated = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model, data)
+    return {"val_loss": float(validated), "steps": trainer.global_step}
+
+
 def dp2_world(tmp: str) -> dict[str, Any]:
     checks: dict[str, Any] = {f"parity{s}": (lambda s=s: parity_run(s)) for s in range(4)}
     checks.update({f"bf16_{s}": (lambda s=s: parity_run(s, precision="bf16-mixed", steps=10)) for s in (1, 2, 3)})
@@ -181,6 +212,8 @@ def dp2_world(tmp: str) -> dict[str, Any]:
     checks.update({f"gan{s}": (lambda s=s: gan(s)) for s in (1, 2)})
     checks.update({f"{o}2": (lambda o=o: other_optimizer(o, 2)) for o in ("sgd", "adagrad")})
     checks["fp16"] = fp16_overflow
+    checks["meta"] = meta_init
+    checks.update({f"reuse{s}": (lambda s=s: fit_then_evaluate(s)) for s in (2, 3)})
     return run_checks(checks)
 
 
@@ -295,3 +328,20 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_all_ranks(dp2):
         assert run["scale"] == 512.0  # backed off once (hysteresis=1)
         assert np.isfinite(run["losses"]).all() and run["losses"][-1] < run["losses"][0]
     assert runs[0]["final"] == runs[1]["final"]
+
+
+def test_zero3_builds_a_meta_device_model_shard_by_shard(dp2):
+    runs = [result_of(r, "meta") for r in dp2]
+    for run in runs:
+        assert run["local_shape"] == [16, 32]  # a 32 x 32 projection, half on each rank
+        assert run["std"] == pytest.approx(0.02, abs=0.004)  # GPT's N(0, 0.02) init, applied to the shard
+        assert abs(run["losses"][0] - np.log(256)) < 0.1  # near-uniform predictions at the start
+        assert run["losses"][-1] < run["losses"][0] - 0.2
+    assert runs[0]["first_row"] != runs[1]["first_row"]  # each rank initialized its own shard
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_trainer_can_fit_validate_and_fit_again(dp2, stage):
+    for r in dp2:
+        run = result_of(r, f"reuse{stage}")
+        assert np.isfinite(run["val_loss"]) and run["steps"] == 4

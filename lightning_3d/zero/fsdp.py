@@ -76,15 +76,21 @@ def no_gradient_sync(roots: list[FSDPModule]) -> Iterator[None]:
 def materialize_meta(root: nn.Module, device: torch.device) -> bool:
     """Allocate this rank's shards of a model built on the meta device and initialize them.
 
-    Returns whether anything was on the meta device. Initialization runs each module's
-    ``reset_parameters`` (a model-level one, like ``GPT.reset_parameters``, runs last and wins).
+    Returns whether anything was on the meta device. Initialization runs every module's
+    ``reset_parameters``, children before parents, so a model-level one (``GPT.reset_parameters``)
+    has the last word. Each rank initializes only its shards: the values are drawn from the same
+    distributions as a dense init, not bit-identical to it.
     """
-    if not any(p.is_meta for p in root.parameters()):
+    if not any(_is_meta(p) for p in root.parameters()):
         return False
     root.to_empty(device=device)
     with torch.no_grad():
-        for module in root.modules():
+        for module in reversed(list(root.modules())):
             reset: Any = getattr(module, "reset_parameters", None)
             if callable(reset) and module is not root:
                 reset()
     return True
+
+
+def _is_meta(p: torch.Tensor) -> bool:
+    return (p.to_local() if hasattr(p, "to_local") else p).is_meta
