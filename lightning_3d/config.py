@@ -83,6 +83,12 @@ class ParallelConfig:
         if self.micro_batches is not None:
             _positive_int("micro_batches", self.micro_batches)
         _positive_int("virtual_stages", self.virtual_stages)
+        if self.micro_batches is not None and self.pipeline_schedule == "interleaved_1f1b":
+            if self.micro_batches < self.pipeline_parallel or self.micro_batches % self.pipeline_parallel:
+                raise ValueError(
+                    f"the interleaved schedule needs micro_batches to be a multiple of pipeline_parallel (and at least "
+                    f"as many): micro_batches={self.micro_batches}, pipeline_parallel={self.pipeline_parallel}."
+                )
         if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved_1f1b":
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} needs pipeline_schedule='interleaved_1f1b' "
@@ -126,12 +132,11 @@ class ParallelConfig:
     def require_implemented(self) -> None:
         """Refuse, clearly, the features that later milestones add."""
         pending = [
-            (self.pipeline_parallel > 1, f"pipeline_parallel={self.pipeline_parallel}", "pipeline parallelism"),
-            (self.virtual_stages > 1, f"virtual_stages={self.virtual_stages}", "interleaved pipeline stages"),
             (
-                self.micro_batches not in (None, 1),
-                f"micro_batches={self.micro_batches}",
-                "pipeline micro-batching",
+                self.pipeline_parallel > 1 and self.zero_stage == 3,
+                "zero_stage=3 with pipeline_parallel > 1",
+                "ZeRO-3 under pipeline parallelism (parameters would be re-gathered for every micro-batch; "
+                "DeepSpeed refuses it too): use zero_stage=1 or 2",
             ),
             (
                 self.zero_stage == 3 and self.sequence_parallel,
@@ -150,7 +155,7 @@ class ParallelConfig:
             if missing:
                 raise NotImplementedError(
                     f"{setting}: {feature} is not implemented in this version of lightning_3d yet. "
-                    f"Data and tensor parallelism with ZeRO stages 0-3 (pipeline_parallel=1) are."
+                    f"Data, tensor and pipeline parallelism with ZeRO stages 0-3 are."
                 )
 
     def to_dict(self) -> dict[str, Any]:

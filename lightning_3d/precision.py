@@ -47,7 +47,7 @@ def _is_dp_sharded(t: Tensor) -> bool:
 
 
 def global_grad_norm(parameters: Iterable[Tensor], topology: Optional[Topology], norm_type: float = 2.0) -> Tensor:
-    """Norm of all gradients of the model, counting every parameter once (collective over dp and tp)."""
+    """Norm of all gradients of the model, counting every parameter once (collective over dp, tp, pp)."""
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"gradient_clip norm_type={norm_type} is not supported; use 2 or inf.")
     unique = list({id(p): p for p in parameters if p.grad is not None}.values())
@@ -59,6 +59,8 @@ def global_grad_norm(parameters: Iterable[Tensor], topology: Optional[Topology],
         spec = get_spec(p)
         if tp_rank != 0 and not (spec is not None and spec.is_sharded):
             continue  # identical on every tp rank: counted by tp rank 0
+        if getattr(p, "pipeline_duplicate", False):
+            continue  # a tied weight's copy on the last pipeline stage: counted on the first
         g = _local(p.grad).detach().float()
         value = g.abs().max() if norm_type == float("inf") else g.pow(2).sum()
         if _is_dp_sharded(p.grad):
@@ -71,6 +73,8 @@ def global_grad_norm(parameters: Iterable[Tensor], topology: Optional[Topology],
     total = torch.maximum(dp_sharded, replicated) if norm_type == float("inf") else dp_sharded + replicated
     if topology is not None and topology.dims.tp > 1:
         dist.all_reduce(total, op=op, group=topology.tp_group)
+    if topology is not None and topology.dims.pp > 1:
+        dist.all_reduce(total, op=op, group=topology.pp_group)
     return total if norm_type == float("inf") else total.sqrt()
 
 

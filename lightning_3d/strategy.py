@@ -42,11 +42,18 @@ from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.consolidated import (
     full_optimizer_state,
     full_state_dict,
+    keyed_by_index,
+    keyed_by_name,
     load_sharded_optimizer_state,
+    merge_optimizer_states,
+    merge_over_group,
+    parameter_names,
     shard_state_dict,
 )
 from lightning_3d.collectives import broadcast_module_state
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
+from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
+from lightning_3d.pipeline.sequences import find_sequences
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
@@ -80,6 +87,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         tensor_parallel_plan: module-name patterns -> styles (see :mod:`lightning_3d.tensor_parallel.plans`),
             applied to the LightningModule; ``None`` uses the built-in plan of every supported model
             inside it (the reference GPT, HF Llama, HF GPT-2).
+        pipeline_partition: how layers are cut into stages: ``"uniform"``, ``"parameters"`` or a list of the
+            block indices where stages 2.. start.
         bucket_size_mb: size of gradient communication buckets.
         process_group_backend: defaults to ``nccl`` on GPUs and ``gloo`` on CPUs.
         start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
@@ -104,6 +113,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         nvme_path: Optional[str] = None,
         timeout: Union[float, int, timedelta, None] = DEFAULT_TIMEOUT_S,
         tensor_parallel_plan: Optional[Union[TensorParallelPlan, dict[str, Any]]] = None,
+        pipeline_partition: Union[str, list[int]] = "uniform",
         bucket_size_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -142,6 +152,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
             raise ValueError(f"start_method={start_method!r} is invalid: use popen, spawn, fork or forkserver.")
         self._bucket_bytes = int(bucket_size_mb * 2**20)
         self._tp_plan = tensor_parallel_plan
+        self._pp_partition = pipeline_partition
+        self._pipelines: list[PipelineRuntime] = []
         self._rng_tracker: Optional[RNGStatesTracker] = None
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -254,6 +266,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.config.tensor_parallel > 1:
             self._apply_tensor_parallel()
+        if self.config.pipeline_parallel > 1:
+            self._apply_pipeline()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         precision = self.precision_plugin
@@ -311,6 +325,58 @@ class ThreeDParallelStrategy(ParallelStrategy):
         for _, model, plan in found:
             apply_plan(model, plan, ctx)
 
+    def _apply_pipeline(self) -> None:
+        """Cut every pipelinable model inside the LightningModule into this rank's stage."""
+        module = self.lightning_module
+        assert module is not None
+        found = find_sequences(module)
+        if not found:
+            raise ValueError(
+                f"pipeline_parallel={self.config.pipeline_parallel}, but {type(module).__name__} contains no model the "
+                f"pipeline can split (GPT, LlamaForCausalLM, GPT2LMHeadModel). Give your model a "
+                f"`pipeline_sequence()` method returning a lightning_3d.pipeline.LayerSequence."
+            )
+        precision = self.precision_plugin
+        config = PipelineConfig(
+            schedule=self.config.pipeline_schedule,
+            virtual_stages=self.config.virtual_stages,
+            micro_batches=self.config.micro_batches,
+            partition=self._pp_partition,
+        )
+        self._pipelines = [
+            pipeline_model(
+                model,
+                sequence,
+                self.topology,
+                config,
+                grad_sync_blocker=lambda: self.block_backward_sync(),
+                loss_scale=lambda: precision.scaler.scale if getattr(precision, "scaler", None) else 1.0,
+            )
+            for _, model, sequence in found
+        ]
+        for runtime in self._pipelines:
+            log.info("lightning_3d pipeline layout:\n%s", runtime.layout)
+
+    @property
+    def pipelines(self) -> list[PipelineRuntime]:
+        """The pipeline runtimes (per-step busy/idle statistics live in ``runtime.history``)."""
+        return self._pipelines
+
+    def on_train_start(self) -> None:
+        """Refuse, before the first step, a batch the configured micro-batch count cannot split."""
+        m = self.config.micro_batches
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if m is None or self.config.pipeline_parallel == 1 or trainer is None:
+            return
+        loader = trainer.fit_loop._combined_loader
+        sizes = [getattr(dl, "batch_size", None) for dl in (loader.flattened if loader is not None else [])]
+        for size in sizes:
+            if size is not None and size % m:
+                raise ValueError(
+                    f"micro_batches={m} does not divide the per-replica batch size {size}; choose a divisor of {size} "
+                    f"or leave micro_batches=None."
+                )
+
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model()`` runs here: tensor-parallel layers built in it find the tp group."""
@@ -322,28 +388,41 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     # -- checkpoints: dense tensors, so they load at any layout ---------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Dense weights; with mixed precision the fp32 masters, not the low-precision copies."""
+        """Dense weights; with mixed precision the fp32 masters, not the low-precision copies.
+        Pipeline stages each contribute the layers they hold."""
         assert self.lightning_module is not None
         masters = self._zero.dense_master_weights() if self._zero is not None else {}
-        return full_state_dict(self.lightning_module, overrides=masters)
+        state = full_state_dict(self.lightning_module, overrides=masters)
+        if self.config.pipeline_parallel > 1:
+            state = merge_over_group(state, self.topology.pp_group)
+        return state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
-        module.load_state_dict(shard_state_dict(module, checkpoint["state_dict"]), strict=strict)
+        local = set(module.state_dict().keys())
+        dense = {k: v for k, v in checkpoint["state_dict"].items() if k in local}  # other stages' layers skipped
+        module.load_state_dict(shard_state_dict(module, dense), strict=strict)
         if self.precision_plugin.mixed:  # keep fp32 precision for the masters built later in setup
-            dense = checkpoint["state_dict"]
             self._pending_master = {id(p): dense[n] for n, p in module.named_parameters() if n in dense}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Dense and keyed by parameter name, so it loads under another layout."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if isinstance(optimizer, ZeroOptimizer):
-            return optimizer.state_dict()
-        return full_optimizer_state(optimizer)
+        state = optimizer.state_dict() if isinstance(optimizer, ZeroOptimizer) else full_optimizer_state(optimizer)
+        assert self.lightning_module is not None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = keyed_by_name(state, params, parameter_names(self.lightning_module))
+        if self.config.pipeline_parallel > 1:
+            state = merge_optimizer_states(state, self.topology.pp_group)
+        return state
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None
+        names = parameter_names(self.lightning_module)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            state = keyed_by_index(state, optimizer, names)
             if isinstance(optimizer, ZeroOptimizer):
                 optimizer.load_state_dict(state)
             else:

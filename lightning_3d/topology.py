@@ -182,6 +182,20 @@ class Topology:
     def is_last_stage(self) -> bool:
         return self.coords.pp == self.dims.pp - 1
 
+    def embedding_group(self) -> dist.ProcessGroup:
+        """The first and last pipeline stage of this rank's (dp, tp) position: they hold copies of
+        tied embedding/LM-head weights. Created on first use, collectively on every rank."""
+        if getattr(self, "_embedding_group", None) is None:
+            dims, mine = self.dims, None
+            for dp in range(int(dims.dp)):
+                for tp in range(dims.tp):
+                    ranks = sorted({dims.rank_of(Coordinates(0, dp, tp)), dims.rank_of(Coordinates(dims.pp - 1, dp, tp))})
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = group
+            self._embedding_group = mine
+        return self._embedding_group  # type: ignore[return-value]
+
     def dp_source_rank(self) -> int:
         """Global rank of dp-rank 0 in this rank's dp group (the source for replica broadcasts)."""
         return self.dims.rank_of(self.coords._replace(dp=0))

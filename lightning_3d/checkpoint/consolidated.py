@@ -103,3 +103,65 @@ def load_sharded_optimizer_state(optimizer: Optimizer, full: dict[str, Any]) -> 
             if isinstance(value, Tensor) and value.dim() > 0:
                 entry[name] = to_local(value, param, spec)
     optimizer.load_state_dict(state)
+
+
+# -- layout-independent optimizer keys and pipeline-stage merging --------------------------------------
+def parameter_names(module: nn.Module) -> dict[int, list[str]]:
+    """id(param) -> every name it has (tied parameters have several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def keyed_by_name(state: dict[str, Any], params: list[Tensor], names: dict[int, list[str]]) -> dict[str, Any]:
+    """Replace an optimizer state's parameter indices by parameter names (stable across layouts)."""
+    def name(i: Any) -> str:
+        return names[id(params[int(i)])][0]
+
+    return {
+        "state": {name(i): v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def keyed_by_index(state: dict[str, Any], optimizer: Any, names: dict[int, list[str]]) -> dict[str, Any]:
+    """The inverse, for this rank's optimizer: entries for parameters it does not hold (other
+    pipeline stages) are dropped; group hyper-parameters come from the saved groups."""
+    if not state["state"] or isinstance(next(iter(state["state"])), int):
+        return state  # index-keyed already
+    params = _flat_params(optimizer)
+    index: dict[str, int] = {}
+    for i, p in enumerate(params):
+        for alias in names[id(p)]:
+            index.setdefault(alias, i)
+    groups, offset = [], 0
+    for local, saved in zip(optimizer.param_groups, state["param_groups"]):
+        groups.append({**saved, "params": list(range(offset, offset + len(local["params"])))})
+        offset += len(local["params"])
+    return {"state": {index[n]: v for n, v in state["state"].items() if n in index}, "param_groups": groups}
+
+
+def merge_over_group(value: dict[str, Any], group: Any) -> dict[str, Any]:
+    """Union of every rank's dict (pipeline stages each hold part of the model)."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, value, group=group)
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def merge_optimizer_states(state: dict[str, Any], group: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, state, group=group)
+    merged = {"state": {}, "param_groups": [dict(g, params=[]) for g in parts[0]["param_groups"]]}
+    for part in parts:
+        merged["state"].update(part["state"])
+        for target, group_state in zip(merged["param_groups"], part["param_groups"]):
+            target["params"].extend(n for n in group_state["params"] if n not in target["params"])
+    return merged

@@ -157,19 +157,27 @@ class GPT(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: Tensor, targets: Optional[Tensor] = None) -> Tensor:
-        """Logits ``(B, T, vocab)``, or the mean cross-entropy when ``targets`` is given."""
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token + position embeddings: ``(B, T)`` ids -> ``(B, T, n_embd)``."""
         t = input_ids.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}.")
         pos = torch.arange(t, device=input_ids.device)
-        x = self.drop(self.wte(input_ids) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        return self.drop(self.wte(input_ids) + self.wpe(pos))
+
+    def head(self, x: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        """Final norm and LM head: logits, or the mean cross-entropy when ``targets`` is given."""
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
         return self.loss_fn(logits.flatten(0, 1), targets.flatten())
+
+    def forward(self, input_ids: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        """Logits ``(B, T, vocab)``, or the mean cross-entropy when ``targets`` is given."""
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, targets)
 
 
 def _as_config(config: Union[GPTConfig, dict, None]) -> GPTConfig:

@@ -209,7 +209,7 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 
 
-def _shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+def shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
     """Groups of (module name, attribute) that hold one and the same Parameter (tied weights)."""
     owners: dict[int, list[tuple[str, str]]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -230,7 +230,7 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, ctx: PlanContext) -> 
         raise NotImplementedError(f"the {plan.name} plan does not support sequence_parallel=True yet; use sequence_parallel=False.")
     if plan.check is not None:
         plan.check(model, ctx.world)
-    ties = _shared_parameters(model)
+    ties = shared_parameters(model)
     names = [name for name, _ in model.named_modules()]
     unmatched = set(plan.styles)
     for name in names:

@@ -14,7 +14,6 @@ The spec is what checkpoints use to gather and re-split tensors, and what ZeRO s
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,6 +66,18 @@ def replicated_spec(param: Tensor, group: dist.ProcessGroup, sequence_parallel: 
     )
 
 
+class SumOverGroup:
+    """Gradient hook summing each incoming gradient over a group; ``enabled`` lets a pipeline
+    runtime defer the sum to the single backward that hands its gradients to the optimizer."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.enabled = True
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        return all_reduce(grad, self.group) if self.enabled else grad
+
+
 def mark_sequence_parallel(param: Tensor, group: dist.ProcessGroup) -> None:
     """A replicated parameter applied to a sequence shard: each rank's gradient is partial, so every
     backward's contribution is summed over the tp group (a gradient hook: exact under accumulation
@@ -75,7 +86,9 @@ def mark_sequence_parallel(param: Tensor, group: dist.ProcessGroup) -> None:
     if spec is not None and spec.sequence_parallel:
         return
     set_spec(param, replicated_spec(param, group, sequence_parallel=True))
-    param.register_hook(functools.partial(all_reduce, group=group))
+    hook = SumOverGroup(group)
+    param.register_hook(hook)
+    param.sequence_parallel_hook = hook  # type: ignore[attr-defined]
 
 
 def shard_tensor(full: Tensor, dim: int, world: int, rank: int, num_blocks: int = 1, padded_size: Optional[int] = None) -> Tensor:

@@ -80,6 +80,7 @@ class ZeroCoordinator:
                 master_dtype=self.master_dtype,
                 tp_group=self.topology.tp_group,
                 bucket_bytes=self.bucket_bytes,
+                pp_group=self.topology.pp_group,
             )
             for opt in optimizers
         ]

@@ -178,11 +178,12 @@ class ZeroOptimizer:
         master_dtype: torch.dtype = torch.float32,
         tp_group: Optional[dist.ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        pp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 0-2, got {stage}.")
         self.optimizer = optimizer
-        self.dp_group, self.tp_group, self.stage = dp_group, tp_group, stage
+        self.dp_group, self.tp_group, self.pp_group, self.stage = dp_group, tp_group, pp_group, stage
         self.compute_dtype, self.master_dtype = compute_dtype, master_dtype
         dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         shards = 1 if stage == 0 else dp
@@ -230,6 +231,8 @@ class ZeroOptimizer:
         # shards always; replicated parameters only on tp rank 0.
         for p, off in zip(params, offsets):
             spec = get_spec(p)
+            if getattr(p, "pipeline_duplicate", False):
+                continue  # a tied weight's copy on the last pipeline stage: counted on the first
             if tp_rank == 0 or (spec is not None and spec.is_sharded):
                 lo, hi = max(off, shard_start), min(off + p.numel(), shard_start + shard_size)
                 if lo < hi:
@@ -313,7 +316,7 @@ class ZeroOptimizer:
         return any(not torch.isfinite(grad).all() for _, grad in self._grad_slices())
 
     def grad_norm_squared(self) -> Tensor:
-        """Sum of squared gradient entries over the whole model (a collective over dp and tp)."""
+        """Sum of squared gradient entries over the whole model (a collective over dp, tp and pp)."""
         device = self.buckets[0].param_buf.device if self.buckets else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=device)
         for bucket, grad in self._grad_slices():
@@ -321,8 +324,9 @@ class ZeroOptimizer:
                 total += grad[lo:hi].float().pow(2).sum()
         if self.stage > 0:
             dist.all_reduce(total, group=self.dp_group)
-        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(total, group=self.tp_group)
+        for group in (self.tp_group, self.pp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, group=group)
         return total
 
     def scale_grads_(self, factor: Tensor) -> None:

@@ -1,0 +1,110 @@
+"""Pipeline schedules as data: one list of actions per pipeline rank.
+
+The model is cut into ``p * v`` consecutive *pieces*; piece ``k`` lives on rank ``k % p`` as its
+local chunk ``k // p`` (``v > 1`` is Megatron's interleaved layout). An action is a forward or
+backward of micro-batch ``m`` on a chunk, or the send/receive of an activation or a gradient.
+Receives come right before the compute that needs them and sends right after the compute that
+produced them; sends are asynchronous, receives wait. The same data drives the runtime, the
+deadlock/bubble simulator and the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["F", "B", "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    micro: int
+    chunk: int
+
+    def piece(self, p: int, rank: int) -> int:
+        return self.chunk * p + rank
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.micro}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+def _compute_order(name: str, p: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
+    """(F|B, micro, chunk) in execution order for one rank."""
+    if name == "gpipe":
+        return [("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v)) for i in reversed(range(m))]
+    if name == "1f1b" and v == 1:
+        warmup = min(p - rank - 1, m)
+        order = [("F", i, 0) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("F", warmup + i, 0), ("B", i, 0)]
+        order += [("B", i, 0) for i in range(m - warmup, m)]
+        return order
+    # Interleaved 1F1B (Narayanan et al. 2021): micro-batches go through the chunks in groups of p.
+    total = m * v
+
+    def forward(k: int) -> tuple[str, int, int]:
+        return ("F", (k // (p * v)) * p + k % p, (k % (p * v)) // p)
+
+    def backward(k: int) -> tuple[str, int, int]:
+        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k % (p * v)) // p)
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [forward(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [forward(warmup + i), backward(i)]
+    order += [backward(k) for k in range(total - warmup, total)]
+    return order
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
+    """Actions for every pipeline rank. ``forward_only`` is for validation, test and predict."""
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={name!r} is not supported; choose one of {SCHEDULES}.")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline schedule needs p, m, v >= 1 (got p={p}, m={m}, v={v}).")
+    if name == "interleaved_1f1b" and m % p:
+        raise ValueError(
+            f"the interleaved schedule needs micro_batches to be a multiple of pipeline_parallel: "
+            f"micro_batches={m}, pipeline_parallel={p}."
+        )
+    if name != "interleaved_1f1b" and v != 1:
+        raise ValueError(f"virtual_stages={v} needs pipeline_schedule='interleaved_1f1b' (got {name!r}).")
+    last = p * v - 1
+    ranks = []
+    for rank in range(p):
+        order = _compute_order("gpipe" if forward_only else name, p, m, v, rank)
+        actions: list[Action] = []
+        for kind, micro, chunk in order:
+            if forward_only and kind == "B":
+                continue
+            piece = chunk * p + rank
+            if kind == "F":
+                if piece > 0:
+                    actions.append(Action("RECV_ACT", micro, chunk))
+                actions.append(Action("F", micro, chunk))
+                if piece < last:
+                    actions.append(Action("SEND_ACT", micro, chunk))
+            else:
+                if piece < last:
+                    actions.append(Action("RECV_GRAD", micro, chunk))
+                actions.append(Action("B", micro, chunk))
+                if piece > 0:
+                    actions.append(Action("SEND_GRAD", micro, chunk))
+        ranks.append(actions)
+    return ranks
+
+
+def peer_of(action: Action, p: int, rank: int) -> tuple[int, int]:
+    """(peer rank, peer's chunk) this communication action talks to."""
+    piece = action.piece(p, rank)
+    other = piece + 1 if action.kind in ("SEND_ACT", "RECV_GRAD") else piece - 1
+    return other % p, other // p
+
+
+def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step: (p-1)/(m+p-1) for GPipe and 1F1B; interleaving divides the
+    pipeline fill by v: ((p-1)/v) / (m + (p-1)/v)."""
+    fill = (p - 1) / (v if name == "interleaved_1f1b" else 1)
+    return fill / (m + fill)

@@ -1,0 +1,203 @@
+"""Models as layer sequences: ``inputs -> embed -> blocks[0..n) -> head``.
+
+This is the contract a model meets to be pipelined. Only one tensor (the hidden states) crosses
+a stage boundary; everything else a piece needs (targets, positions, masks) is recomputed from
+the batch, which every pipeline rank loads. Built-in sequences exist for the reference GPT and
+Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel``; a user's model declares its own by
+defining ``pipeline_sequence(self) -> LayerSequence``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+Inputs = dict[str, Any]
+
+
+@dataclass
+class HeadOutput:
+    loss: Optional[Tensor] = None  # mean over this micro-batch's counted targets
+    logits: Optional[Tensor] = None
+
+
+@dataclass
+class LayerSequence:
+    """How to run a model piece by piece.
+
+    Args:
+        blocks: the repeated layers (``hidden -> hidden``) that pipeline stages divide.
+        blocks_name: their attribute path inside the model (unowned blocks are replaced by stubs).
+        embed_modules / head_modules: module paths only the first / last stage needs.
+        inputs: ``forward``'s ``(args, kwargs)`` -> named tensors (split along dim 0 into micro-batches).
+        embed: named micro-batch inputs -> hidden states.
+        block: ``(layer, hidden, inputs)`` -> hidden states.
+        head: ``(hidden, inputs)`` -> :class:`HeadOutput` (the loss when targets are present).
+        target_count: how many targets a micro-batch's loss averages over (weights micro-batch losses,
+            so uneven micro-batches and ignored labels give the full-batch mean).
+        output: ``(loss, logits)`` -> what ``forward`` returns at ``pipeline_parallel=1``.
+    """
+
+    blocks: nn.ModuleList
+    blocks_name: str
+    embed_modules: tuple[str, ...]
+    head_modules: tuple[str, ...]
+    inputs: Callable[[tuple, dict], Inputs]
+    embed: Callable[[Inputs], Tensor]
+    block: Callable[[nn.Module, Tensor, Inputs], Tensor]
+    head: Callable[[Tensor, Inputs], HeadOutput]
+    target_count: Callable[[Inputs], int]
+    output: Callable[[Optional[Tensor], Optional[Tensor]], Any]
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def gpt_sequence(model: nn.Module) -> LayerSequence:
+    def inputs(args: tuple, kwargs: dict) -> Inputs:
+        return {"input_ids": _arg(args, kwargs, 0, "input_ids"), "targets": _arg(args, kwargs, 1, "targets")}
+
+    def head(x: Tensor, batch: Inputs) -> HeadOutput:
+        out = model.head(x, batch["targets"])
+        return HeadOutput(loss=out) if batch["targets"] is not None else HeadOutput(logits=out)
+
+    return LayerSequence(
+        blocks=model.blocks,
+        blocks_name="blocks",
+        embed_modules=("wte", "wpe", "drop"),
+        head_modules=("ln_f", "lm_head"),
+        inputs=inputs,
+        embed=lambda batch: model.embed(batch["input_ids"]),
+        block=lambda layer, x, batch: layer(x),
+        head=head,
+        target_count=lambda batch: batch["targets"].numel(),
+        output=lambda loss, logits: loss if loss is not None else logits,
+    )
+
+
+def _hf_inputs(args: tuple, kwargs: dict) -> Inputs:
+    unsupported = {k for k, v in kwargs.items() if v is not None} - {"input_ids", "labels", "attention_mask", "position_ids", "use_cache"}
+    if unsupported:
+        raise NotImplementedError(f"pipelined Hugging Face models take input_ids, labels, attention_mask; got {sorted(unsupported)}.")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        raise NotImplementedError("pipelined Hugging Face models do not support padding masks yet; pass attention_mask=None.")
+    return {"input_ids": _arg(args, kwargs, 0, "input_ids"), "labels": kwargs.get("labels")}
+
+
+def _hf_positions(batch: Inputs, hidden: Tensor) -> Tensor:
+    if "_positions" not in batch:
+        batch["_positions"] = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    return batch["_positions"]
+
+
+def _hf_mask(model: nn.Module, batch: Inputs, hidden: Tensor) -> Any:
+    if "_mask" not in batch:
+        create = sys.modules[type(model).__module__].create_causal_mask
+        batch["_mask"] = create(
+            config=model.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=_hf_positions(batch, hidden)
+        )
+    return batch["_mask"]
+
+
+def _hf_count(batch: Inputs) -> int:
+    labels = batch["labels"]
+    return int((labels[..., 1:] != -100).sum()) if labels is not None else 0
+
+
+def _hf_head(model: nn.Module, norm: nn.Module) -> Callable[[Tensor, Inputs], HeadOutput]:
+    def head(x: Tensor, batch: Inputs) -> HeadOutput:
+        logits = model.lm_head(norm(x))
+        if batch["labels"] is None:
+            return HeadOutput(logits=logits)
+        return HeadOutput(loss=model.loss_function(logits=logits, labels=batch["labels"], vocab_size=model.config.vocab_size))
+
+    return head
+
+
+def _hf_output(loss: Optional[Tensor], logits: Optional[Tensor]) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _first(out: Any) -> Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def llama_sequence(model: nn.Module) -> LayerSequence:
+    inner = model.model
+
+    def block(layer: nn.Module, x: Tensor, batch: Inputs) -> Tensor:
+        positions = _hf_positions(batch, x)
+        if "_rope" not in batch:
+            batch["_rope"] = inner.rotary_emb(x, position_ids=positions)
+        return _first(layer(x, attention_mask=_hf_mask(model, batch, x), position_embeddings=batch["_rope"], position_ids=positions))
+
+    return LayerSequence(
+        blocks=inner.layers,
+        blocks_name="model.layers",
+        embed_modules=("model.embed_tokens",),
+        head_modules=("model.norm", "lm_head"),
+        inputs=_hf_inputs,
+        embed=lambda batch: inner.embed_tokens(batch["input_ids"]),
+        block=block,
+        head=_hf_head(model, inner.norm),
+        target_count=_hf_count,
+        output=_hf_output,
+    )
+
+
+def gpt2_sequence(model: nn.Module) -> LayerSequence:
+    inner = model.transformer
+
+    def embed(batch: Inputs) -> Tensor:
+        ids = batch["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return inner.drop(inner.wte(ids) + inner.wpe(positions))
+
+    def block(layer: nn.Module, x: Tensor, batch: Inputs) -> Tensor:
+        return _first(layer(x, None, _hf_mask(model, batch, x), position_ids=_hf_positions(batch, x)))
+
+    return LayerSequence(
+        blocks=inner.h,
+        blocks_name="transformer.h",
+        embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        head_modules=("transformer.ln_f", "lm_head"),
+        inputs=_hf_inputs,
+        embed=embed,
+        block=block,
+        head=_hf_head(model, inner.ln_f),
+        target_count=_hf_count,
+        output=_hf_output,
+    )
+
+
+def builtin_sequence(module: nn.Module) -> Optional[LayerSequence]:
+    """The layer sequence of a supported model (HF classes matched by name, no import)."""
+    from lightning_3d.models.gpt import GPT
+
+    declared = getattr(module, "pipeline_sequence", None)
+    if callable(declared):
+        return declared()
+    if isinstance(module, GPT):
+        return gpt_sequence(module)
+    builder = {"LlamaForCausalLM": llama_sequence, "GPT2LMHeadModel": gpt2_sequence}.get(type(module).__name__)
+    return builder(module) if builder is not None else None
+
+
+def find_sequences(root: nn.Module) -> list[tuple[str, nn.Module, LayerSequence]]:
+    """(name, module, sequence) for the outermost pipelinable models inside ``root``."""
+    found: list[tuple[str, nn.Module, LayerSequence]] = []
+    for name, module in root.named_modules():
+        if any(name.startswith(prefix + ".") for prefix, _, _ in found) or module is root:
+            continue
+        sequence = builtin_sequence(module)
+        if sequence is not None:
+            found.append((name, module, sequence))
+    return found
