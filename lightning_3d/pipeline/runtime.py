@@ -340,7 +340,7 @@ class PipelineRuntime:
     def _recv_like(self, action: Action, like: Tensor) -> Tensor:
         """A gradient has the shape of the activation it belongs to: no header needed."""
         peer, receiver = self._route(action)
-        g = torch.empty_like(like)
+        g = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         dist.recv(g, peer, self.topology.pp_group, tag=self._tag(action, receiver, 1))
         return g
 

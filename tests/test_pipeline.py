@@ -1,0 +1,357 @@
+"""Pipeline parallelism: schedules on paper (no processes), then the runtime through the Trainer:
+layout invariance up to dp2 x tp2 x pp2, weight updates, shapes that change, checkpoints, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_3d import ParallelConfig, ThreeDParallelStrategy
+from lightning_3d.data import TokenWindows, stdlib_bytes
+from lightning_3d.models import GPTConfig, GPTModule
+from lightning_3d.pipeline.partition import partition
+from lightning_3d.pipeline.runtime import default_micro_batches
+from lightning_3d.pipeline.schedules import build_schedule, theoretical_bubble
+from lightning_3d.pipeline.simulator import ScheduleDeadlock, simulate, simulate_named
+from lightning_3d.testing import run_on_ranks
+from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
+from tests.test_tensor_parallel_training import HFCausalLM
+
+STEPS = 10
+GPT4 = dict(n_layer=4)  # four blocks: enough for pp=4 and for pp=2 x 2 virtual stages
+
+
+# -- schedules on paper -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
+def test_bubble_matches_theory(name, p, m):
+    sim = simulate_named(name, p, m, forward_time=1.0, backward_time=2.0)
+    assert sim.bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert theoretical_bubble(name, p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 8, 4), (2, 2, 3)])
+def test_interleaving_divides_the_bubble(p, m, v):
+    sim = simulate_named("interleaved_1f1b", p, m, v, forward_time=1.0 / v, backward_time=2.0 / v)
+    fill = (p - 1) / v
+    assert sim.bubble == pytest.approx(fill / (m + fill))
+    assert sim.bubble < simulate_named("1f1b", p, m).bubble
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 3)])
+def test_activations_alive_on_the_first_stage(p, m):
+    assert simulate_named("1f1b", p, m).max_in_flight[0] == min(p, m)
+    assert simulate_named("gpipe", p, m).max_in_flight[0] == m
+
+
+def test_every_schedule_is_deadlock_free():
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)):
+        for p in (1, 2, 3, 4):
+            for m in (p, 2 * p, 3 * p):
+                simulate(build_schedule(name, p, m, v))
+                simulate(build_schedule(name, p, m, v, forward_only=True))
+
+
+def test_simulator_detects_a_deadlock():
+    from lightning_3d.pipeline.schedules import Action
+
+    schedule = build_schedule("1f1b", 2, 2)
+    # rank 0 waits for micro-batch 0's gradient before sending its activation: nobody can move
+    schedule[0] = [Action("RECV_GRAD", 0, 0), *[a for a in schedule[0] if a != Action("RECV_GRAD", 0, 0)]]
+    with pytest.raises(ScheduleDeadlock, match="deadlocks"):
+        simulate(schedule)
+
+
+def test_each_micro_batch_runs_forward_and_backward_once_per_chunk():
+    for rank_actions in build_schedule("interleaved_1f1b", 2, 4, 2):
+        computes = [(a.kind, a.micro, a.chunk) for a in rank_actions if a.kind in ("F", "B")]
+        assert sorted(computes) == sorted((k, i, c) for k in "FB" for i in range(4) for c in range(2))
+
+
+def test_partitioning():
+    assert partition(7, 3) == [(0, 3), (3, 5), (5, 7)]  # uneven: the first pieces take the remainder
+    assert partition(6, 3, [2, 3]) == [(0, 2), (2, 3), (3, 6)]
+    # heavy embedding and head: the middle pieces take more blocks
+    assert partition(6, 3, "parameters", [3, 1, 1, 1, 1, 1, 1, 3]) == [(0, 1), (1, 5), (5, 6)]
+    with pytest.raises(ValueError, match="need at least 4 layers, but the model has 2"):
+        partition(2, 4)
+    with pytest.raises(ValueError, match="must be 2 increasing block indices"):
+        partition(6, 3, [3, 2])
+
+
+def test_default_micro_batches_divide_the_batch():
+    assert default_micro_batches(8, 2, "1f1b") == 2
+    assert default_micro_batches(12, 4, "1f1b") == 4
+    assert default_micro_batches(9, 2, "1f1b") == 3
+    assert default_micro_batches(12, 4, "interleaved_1f1b") == 4
+    assert default_micro_batches(3, 4, "1f1b") == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=3), "multiple of pipeline_parallel"),
+        (dict(pipeline_parallel=4, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=2), "multiple of pipeline_parallel"),
+        (dict(pipeline_parallel=2, virtual_stages=2), "needs pipeline_schedule='interleaved_1f1b'"),
+    ],
+)
+def test_bad_pipeline_configuration_fails_before_processes_start(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**kwargs)
+
+
+def test_zero3_with_pipeline_is_refused_with_the_alternative():
+    with pytest.raises(NotImplementedError, match="use zero_stage=1 or 2"):
+        ThreeDParallelStrategy(pipeline_parallel=2, zero_stage=3)
+
+
+# -- the runtime through the Trainer ---------------------------------------------------------------------
+def gpt_run(steps: int = STEPS, **strategy: Any) -> dict[str, Any]:
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.5,
+        strategy=ThreeDParallelStrategy(**strategy),
+    )
+    model = tiny_gpt(lr=3e-3, **GPT4)
+    trainer.fit(model, tiny_data(global_batch_size=8))
+    stats = [
+        {"max_in_flight": s.max_in_flight, "idle": s.idle_fraction, "m": s.micro_batches}
+        for r in getattr(trainer.strategy, "pipelines", []) for s in r.history
+    ]
+    return {"losses": recorder.losses, "stats": stats}
+
+
+def llama_run(**strategy: Any) -> list[float]:
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(
+        max_steps=STEPS, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.5,
+        strategy=ThreeDParallelStrategy(**strategy),
+    )
+    trainer.fit(HFCausalLM("llama"), tiny_data(global_batch_size=8))
+    return recorder.losses
+
+
+def one_step_weights(**strategy: Any) -> dict[str, Any]:
+    """Dense weights before and after one optimizer step (gathered over every stage)."""
+    L.seed_everything(0)
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, strategy=ThreeDParallelStrategy(**strategy))
+    model = tiny_gpt(lr=3e-3, **GPT4)
+    before: dict[str, torch.Tensor] = {}
+
+    class Snapshot(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            before.update({k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()})
+
+    trainer.callbacks.append(Snapshot())
+    trainer.fit(model, tiny_data(global_batch_size=8))
+    after = trainer.strategy.lightning_module_state_dict()
+    return {"delta": {k: (after[k] - before[k]).double().norm().item() for k in sorted(before)}}
+
+
+class UnevenGPT(GPTModule):
+    """Batches whose sizes change: 8, 8, then 4 in training; 3 in validation; and predict."""
+
+    def __init__(self) -> None:
+        super().__init__(GPTConfig(**{**TINY_GPT, **GPT4}), lr=3e-3, warmup_steps=2)
+        tokens = stdlib_bytes(50_000)
+        self.train_set = TokenWindows(tokens[: 20 * 32 + 1], 32)
+        self.val_set = TokenWindows(tokens[30_000:30_000 + 6 * 32 + 1], 32)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=8)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=3)
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=3)
+
+
+def uneven(**strategy: Any) -> dict[str, Any]:
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(max_epochs=1, callbacks=[recorder], strategy=ThreeDParallelStrategy(**strategy))
+    model = UnevenGPT()
+    trainer.fit(model)
+    val = trainer.validate(model, verbose=False)[0]["val_loss"]
+    predicted = trainer.predict(model)
+    return {"losses": recorder.losses, "val": float(val), "predicted": [p.tolist() for p in predicted]}
+
+
+def resume(tmp: str, **strategy: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(max_steps=8, limit_val_batches=0, enable_checkpointing=True)
+    L.seed_everything(0)
+    full = LossRecorder()
+    checkpoint = ModelCheckpoint(dirpath=tmp, every_n_train_steps=4, save_top_k=-1, filename="pp-{step}")
+    quiet_trainer(callbacks=[full, checkpoint], strategy=ThreeDParallelStrategy(**strategy), **kwargs).fit(
+        tiny_gpt(lr=3e-3, **GPT4), tiny_data()
+    )
+    L.seed_everything(0)
+    resumed = LossRecorder()
+    path = str(Path(tmp) / "pp-step=4.ckpt")
+    quiet_trainer(callbacks=[resumed], strategy=ThreeDParallelStrategy(**strategy), **kwargs).fit(
+        tiny_gpt(lr=3e-3, **GPT4), tiny_data(), ckpt_path=path
+    )
+    return {"full": full.losses, "resumed": resumed.losses, "path": path}
+
+
+def load_in_one_process(path: str) -> dict[str, Any]:
+    module = GPTModule.load_from_checkpoint(path, weights_only=True)
+    return {"keys": len(module.state_dict())}
+
+
+def too_deep() -> str:
+    try:
+        quiet_trainer(max_steps=1, strategy=ThreeDParallelStrategy(pipeline_parallel=2)).fit(tiny_gpt(n_layer=1), tiny_data())
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def pp2_world(tmp: str) -> dict[str, Any]:
+    return run_checks(
+        {
+            "1f1b": lambda: gpt_run(pipeline_parallel=2),
+            "gpipe": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="gpipe", micro_batches=4),
+            "interleaved": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
+            "1f1b_m4": lambda: gpt_run(steps=2, pipeline_parallel=2, micro_batches=4),
+            "zero2": lambda: gpt_run(pipeline_parallel=2, zero_stage=2),
+            "llama": lambda: llama_run(pipeline_parallel=2),
+            "weights": lambda: one_step_weights(pipeline_parallel=2),
+            "uneven": lambda: uneven(pipeline_parallel=2),
+            "resume": lambda: resume(tmp, pipeline_parallel=2, zero_stage=1),
+            "too_deep": too_deep,
+        }
+    )
+
+
+def four_rank_world() -> dict[str, Any]:
+    return run_checks(
+        {
+            "pp4": lambda: gpt_run(pipeline_parallel=4),
+            "dp2pp2": lambda: gpt_run(pipeline_parallel=2, data_parallel=2),
+            "tp2pp2": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2),
+            "tp2pp2_sp": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, sequence_parallel=True),
+            "llama_dp2pp2": lambda: llama_run(pipeline_parallel=2, data_parallel=2),
+            "llama_tp2pp2": lambda: llama_run(pipeline_parallel=2, tensor_parallel=2),
+        }
+    )
+
+
+def eight_rank_world() -> dict[str, Any]:
+    layout = dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, zero_stage=1)
+    return run_checks({"gpt": lambda: gpt_run(**layout), "llama": lambda: llama_run(**layout)})
+
+
+def reference_world() -> dict[str, Any]:
+    return run_checks(
+        {
+            "gpt": lambda: gpt_run(),
+            "gpt_2steps": lambda: gpt_run(steps=2),
+            "llama": lambda: llama_run(),
+            "weights": lambda: one_step_weights(),
+            "uneven": lambda: uneven(),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_on_ranks(pp2_world, 2, str(tmp_path_factory.mktemp("pp2")), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return run_on_ranks(four_rank_world, 4, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def eight() -> list[dict[str, Any]]:
+    return run_on_ranks(eight_rank_world, 8, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    return run_on_ranks(reference_world, 1, timeout=600)[0]
+
+
+def _mean(values: list[list[float]]) -> np.ndarray:
+    return np.mean(np.array(values), axis=0)  # dp replicas share the batch evenly; tp/pp peers agree
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2"])
+def test_pp2_gpt_matches_one_process(pp2, single, name):
+    reference = result_of(single, "gpt")["losses"]
+    for r in pp2:  # the loss is visible on every pipeline rank
+        np.testing.assert_allclose(result_of(r, name)["losses"], reference, rtol=1e-5)
+    assert len(reference) == STEPS
+
+
+@pytest.mark.parametrize("name", ["pp4", "dp2pp2", "tp2pp2", "tp2pp2_sp"])
+def test_four_rank_layouts_match_one_process(four, single, name):
+    np.testing.assert_allclose(_mean([result_of(r, name)["losses"] for r in four]), result_of(single, "gpt")["losses"], rtol=1e-5)
+
+
+def test_dp2_tp2_pp2_zero1_on_eight_ranks(eight, single):
+    np.testing.assert_allclose(_mean([result_of(r, "gpt")["losses"] for r in eight]), result_of(single, "gpt")["losses"], rtol=1e-5)
+    np.testing.assert_allclose(_mean([result_of(r, "llama") for r in eight]), result_of(single, "llama"), rtol=1e-5)
+
+
+def test_hf_llama_pipelines(pp2, four, single):
+    reference = result_of(single, "llama")
+    np.testing.assert_allclose(_mean([result_of(r, "llama") for r in pp2]), reference, rtol=1e-5)
+    for name in ("llama_dp2pp2", "llama_tp2pp2"):
+        np.testing.assert_allclose(_mean([result_of(r, name) for r in four]), reference, rtol=1e-5)
+
+
+def test_automatic_optimization_really_updates_the_weights(pp2, single):
+    reference = result_of(single, "weights")["delta"]
+    ours = result_of(pp2[0], "weights")["delta"]
+    assert ours.keys() == reference.keys()
+    moved = [k for k, v in reference.items() if v > 0]
+    assert len(moved) > 0.9 * len(reference)  # a real step moves (almost) every tensor
+    for k in reference:  # (abs: key biases get ~1e-10 gradients, their Adam steps are rounding noise)
+        assert ours[k] == pytest.approx(reference[k], rel=1e-4, abs=1e-5), k
+
+
+def test_activation_memory_per_schedule(pp2):
+    """Counted at run time: micro-batch outputs (with their autograd graphs) alive on each stage."""
+    for rank, r in enumerate(pp2):
+        one_f_one_b = result_of(r, "1f1b_m4")["stats"]
+        gpipe = result_of(r, "gpipe")["stats"]
+        assert one_f_one_b[0]["m"] == 4 and gpipe[0]["m"] == 4
+        assert max(s["max_in_flight"] for s in one_f_one_b) == (2 if rank == 0 else 1)
+        assert max(s["max_in_flight"] for s in gpipe) == 4
+        assert all(0.0 <= s["idle"] < 1.0 for s in gpipe)
+
+
+def test_changing_and_uneven_batch_shapes(pp2, single):
+    reference = result_of(single, "uneven")
+    for r in pp2:
+        run = result_of(r, "uneven")
+        assert len(run["losses"]) == 3  # 8 + 8 + 4 samples
+        np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-5)
+        assert run["val"] == pytest.approx(reference["val"], rel=1e-5)
+        assert run["predicted"] == reference["predicted"]
+
+
+def test_pipeline_checkpoints_resume_and_load_without_the_strategy(pp2):
+    run = result_of(pp2[0], "resume")
+    np.testing.assert_allclose(run["resumed"], run["full"][4:], rtol=1e-6)
+    loaded = run_on_ranks(load_in_one_process, 1, run["path"], timeout=120)[0]
+    dense = tiny_gpt(**GPT4)
+    dense.configure_model()
+    assert loaded["keys"] == len(dense.state_dict())  # every stage's layers are in the file
+
+
+def test_too_few_layers_for_the_stages(pp2):
+    assert "need at least 2 layers, but the model has 1" in result_of(pp2[0], "too_deep")
