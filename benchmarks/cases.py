@@ -221,3 +221,17 @@ def zero3_vs_fully_shard(steps: int, repeats: int) -> dict[str, Any]:
         "tokens_per_s_ratio": _ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
         "model_state_ratio": _ratio(ours["model_state_mb"], theirs["model_state_mb"]),
     }
+
+
+@case
+def pp2_1f1b_vs_torch_pipelining(steps: int, repeats: int) -> dict[str, Any]:
+    from pipeline_cases import compare_with_torch
+
+    return compare_with_torch(steps, repeats)
+
+
+@case
+def pp2_bubbles(steps: int, repeats: int) -> dict[str, Any]:
+    from pipeline_cases import bubbles
+
+    return bubbles(steps, repeats)

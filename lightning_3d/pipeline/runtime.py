@@ -103,6 +103,7 @@ class PipelineRuntime:
         self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
         self._stash: dict[int, Optional[Tensor]] = {}
         self._schedules: dict[tuple[int, bool], list[Action]] = {}
+        self._described: dict[tuple[tuple, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -199,14 +200,14 @@ class PipelineRuntime:
         self._stash = {id(p): p.grad for p in self.params}
         for p in self.params:
             p.grad = saved[id(p)]
-        loss = self._broadcast_from_last(total)
+        loss = self._broadcast_scalar(total)
         return self.sequence.output(_DeferredGradients.apply(loss, self, *self.params), None)
 
     @torch.no_grad()
     def _evaluate(self, micro: list[Inputs]) -> tuple[Optional[Tensor], Optional[Tensor]]:
         outputs = self._run(micro, train=False)
-        if isinstance(outputs, Tensor) or outputs is None:  # a loss (or nothing on earlier stages)
-            return self._broadcast_from_last(outputs), None
+        if _has_targets(micro[0]):
+            return self._broadcast_scalar(outputs), None
         return None, self._broadcast_from_last(outputs)
 
     def release_gradients(self, grad: Tensor) -> list[Optional[Tensor]]:
@@ -220,7 +221,11 @@ class PipelineRuntime:
                 g = torch.zeros_like(p) if g is None else g
                 dist.all_reduce(g, group=group)
                 self._stash[id(p)] = g
-        out = [None if self._stash.get(id(p)) is None else self._stash[id(p)] * factor.to(p.dtype) for p in self.params]
+        unit = bool(factor == 1)
+        out = []
+        for p in self.params:
+            g = self._stash.get(id(p))
+            out.append(g if g is None or unit else g * factor.to(g.dtype))
         self._stash = {}
         return out
 
@@ -246,7 +251,8 @@ class PipelineRuntime:
 
     def _run(self, micro: list[Inputs], train: bool) -> Any:
         m = len(micro)
-        weights = self._weights(micro) if train or micro[0].get("targets", micro[0].get("labels")) is not None else [0.0] * m
+        weights = self._weights(micro) if _has_targets(micro[0]) else [0.0] * m
+        signatures = [_signature(mb, train) for mb in micro]
         stats = StepStats(micro_batches=m)
         start = time.perf_counter()
         inbox: dict[tuple[int, int], Tensor] = {}
@@ -262,13 +268,13 @@ class PipelineRuntime:
             key = (action.micro, action.chunk)
             piece = action.piece(self.p, self.rank)
             if action.kind == "RECV_ACT":
-                inbox[key] = self._recv_activation(action, requires_grad=train)
+                inbox[key] = self._recv_activation(action, signatures[action.micro], requires_grad=train)
             elif action.kind == "SEND_ACT":
-                sends += self._send(action, outbox.pop(key).detach(), header=True)
+                sends += self._send(action, outbox.pop(key).detach(), signature=signatures[action.micro])
             elif action.kind == "RECV_GRAD":
                 grads_in[key] = self._recv_like(action, stored[key][1])
             elif action.kind == "SEND_GRAD":
-                sends += self._send(action, grads_out.pop(key), header=False)
+                sends += self._send(action, grads_out.pop(key))
             elif action.kind == "F":
                 t0 = time.perf_counter()
                 x = inbox.pop(key, None)
@@ -319,21 +325,30 @@ class PipelineRuntime:
         gradient = int(action.kind.endswith("GRAD"))
         return ((action.micro * self.pieces + receiver) * 2 + gradient) * 2 + payload
 
-    def _send(self, action: Action, tensor: Tensor, header: bool) -> list[Any]:
+    def _send(self, action: Action, tensor: Tensor, signature: Optional[tuple] = None) -> list[Any]:
+        """Gradients and already-described activations go alone; a new activation shape is described
+        first by a small header. Both ends decide "new" from the micro-batch's input shapes, which
+        every pipeline rank sees, so they agree without a message."""
         peer, receiver = self._route(action)
         group = self.topology.pp_group
         tensor = tensor.contiguous()
-        ops = [dist.P2POp(dist.isend, _header(tensor), peer, group, tag=self._tag(action, receiver, 0))] if header else []
+        ops = []
+        if signature is not None and (signature, receiver) not in self._described:
+            self._described[(signature, receiver)] = (tensor.dtype, tuple(tensor.shape))
+            ops.append(dist.P2POp(dist.isend, _header(tensor), peer, group, tag=self._tag(action, receiver, 0)))
         ops.append(dist.P2POp(dist.isend, tensor, peer, group, tag=self._tag(action, receiver, 1)))
         return dist.batch_isend_irecv(ops)
 
-    def _recv_activation(self, action: Action, requires_grad: bool) -> Tensor:
-        """Activations may change shape between steps: a small header (dtype, shape) comes first."""
+    def _recv_activation(self, action: Action, signature: tuple, requires_grad: bool) -> Tensor:
+        """Activations may change shape between steps (batch size, sequence length, train/eval)."""
         peer, receiver = self._route(action)
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, peer, self.topology.pp_group, tag=self._tag(action, receiver, 0))
-        dtype, shape = _DTYPES[int(header[0])], [int(d) for d in header[2 : 2 + int(header[1])]]
-        x = torch.empty(shape, dtype=dtype, device=self._device())
+        described = self._described.get((signature, receiver))
+        if described is None:
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            dist.recv(header, peer, self.topology.pp_group, tag=self._tag(action, receiver, 0))
+            described = (_DTYPES[int(header[0])], tuple(int(d) for d in header[2 : 2 + int(header[1])]))
+            self._described[(signature, receiver)] = described
+        x = torch.empty(described[1], dtype=described[0], device=self._device())
         dist.recv(x, peer, self.topology.pp_group, tag=self._tag(action, receiver, 1))
         return x.requires_grad_(requires_grad)
 
@@ -347,9 +362,17 @@ class PipelineRuntime:
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
+    def _last_rank(self) -> int:
+        return self.topology.dims.rank_of(self.topology.coords._replace(pp=(self.pieces - 1) % self.p))
+
+    def _broadcast_scalar(self, value: Optional[Tensor]) -> Tensor:
+        out = value.reshape(()).float() if value is not None else torch.zeros((), device=self._device())
+        dist.broadcast(out, self._last_rank(), self.topology.pp_group)
+        return out
+
     def _broadcast_from_last(self, value: Optional[Tensor]) -> Tensor:
         """The last stage's loss or logits, on every pipeline rank (shape sent first)."""
-        src = self.topology.dims.rank_of(self.topology.coords._replace(pp=(self.pieces - 1) % self.p))
+        src = self._last_rank()
         group = self.topology.pp_group
         header = _header(value) if value is not None else torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, src, group)
@@ -357,6 +380,16 @@ class PipelineRuntime:
         out = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self._device())
         dist.broadcast(out, src, group)
         return out
+
+
+def _has_targets(batch: Inputs) -> bool:
+    return any(batch.get(k) is not None for k in ("targets", "labels"))
+
+
+def _signature(batch: Inputs, train: bool) -> tuple:
+    """What determines activation shapes and dtypes: the inputs' shapes, train/eval, autocast."""
+    shapes = tuple((k, tuple(v.shape)) for k, v in sorted(batch.items()) if isinstance(v, Tensor))
+    return (shapes, train, torch.is_autocast_enabled())
 
 
 def _header(t: Tensor) -> Tensor:

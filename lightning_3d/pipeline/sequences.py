@@ -75,7 +75,7 @@ def gpt_sequence(model: nn.Module) -> LayerSequence:
         embed=lambda batch: model.embed(batch["input_ids"]),
         block=lambda layer, x, batch: layer(x),
         head=head,
-        target_count=lambda batch: batch["targets"].numel(),
+        target_count=lambda batch: batch["targets"].numel() if batch["targets"] is not None else 0,
         output=lambda loss, logits: loss if loss is not None else logits,
     )
 
