@@ -78,10 +78,14 @@ def test_torchrun_two_nodes_of_two(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "layout"),
     [
-        (["parallel.data_parallel=2"], {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}),
-        (["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0}),
+        (["parallel=dp", "cluster.devices_per_node=2"], {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}),
+        (
+            ["parallel=dp", "cluster.devices_per_node=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
+            {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0},
+        ),
+        ([], {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1}),  # the default: 3D on 8 CPU processes
     ],
-    ids=["dp2", "tp2-sp"],
+    ids=["dp2", "tp2-sp", "default-3d"],
 )
 def test_hydra_recipe_with_overrides(tmp_path, overrides, layout):
     run_dir = tmp_path / "run"
@@ -104,7 +108,7 @@ def test_hydra_recipe_with_overrides(tmp_path, overrides, layout):
         cwd=tmp_path,
     )
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["world_size"] == 2 and summary["steps"] == 12
+    assert summary["world_size"] == layout["dp"] * layout["tp"] * layout["pp"] and summary["steps"] == 12
     assert summary["layout"] == layout
     assert summary["train_loss"] < 4.5 and summary["val_loss"] < 4.5  # ln(256) = 5.55 at the start
     assert summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
