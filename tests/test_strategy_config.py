@@ -72,10 +72,9 @@ def test_bad_values_raise_value_error_naming_them(kwargs, message):
 @pytest.mark.parametrize(
     ("kwargs", "feature"),
     [
-        (dict(pipeline_parallel=2), "pipeline parallelism"),
         (dict(zero_stage=3, sequence_parallel=True, tensor_parallel=2), "sequence parallelism under ZeRO-3"),
         (dict(activation_checkpointing="full"), "activation checkpointing"),
-        (dict(micro_batches=4), "pipeline micro-batching"),
+        (dict(offload_optimizer="cpu", zero_stage=1), "optimizer offload"),
         (dict(zero_stage=3, offload_params="cpu"), "parameter offload"),
     ],
 )
