@@ -65,6 +65,7 @@ class ParallelConfig:
     offload_optimizer: Optional[Union[str, bool]] = None
     offload_params: Optional[Union[str, bool]] = None
     nvme_path: Optional[str] = None
+    checkpoint_every_n_layers: int = 1
     timeout: Union[float, int, timedelta, None] = DEFAULT_TIMEOUT_S
     dims: ParallelDims = field(init=False)
 
@@ -83,6 +84,7 @@ class ParallelConfig:
         if self.micro_batches is not None:
             _positive_int("micro_batches", self.micro_batches)
         _positive_int("virtual_stages", self.virtual_stages)
+        _positive_int("checkpoint_every_n_layers", self.checkpoint_every_n_layers)
         if self.micro_batches is not None and self.pipeline_schedule == "interleaved_1f1b":
             if self.micro_batches < self.pipeline_parallel or self.micro_batches % self.pipeline_parallel:
                 raise ValueError(
@@ -144,18 +146,18 @@ class ParallelConfig:
                 "sequence parallelism under ZeRO-3 (use zero_stage <= 2, or sequence_parallel=False)",
             ),
             (
-                self.activation_checkpointing != "none",
-                f"activation_checkpointing={self.activation_checkpointing!r}",
-                "activation checkpointing",
+                self.offload_params == "nvme" or (self.offload_optimizer == "nvme" and self.zero_stage == 3),
+                "NVMe offload with zero_stage=3",
+                "NVMe offload of ZeRO-3 parameters (use offload_params='cpu', or zero_stage 1-2 with "
+                "offload_optimizer='nvme')",
             ),
-            (self.offload_optimizer != "none", f"offload_optimizer={self.offload_optimizer!r}", "optimizer offload"),
-            (self.offload_params != "none", f"offload_params={self.offload_params!r}", "parameter offload"),
         ]
         for missing, setting, feature in pending:
             if missing:
                 raise NotImplementedError(
                     f"{setting}: {feature} is not implemented in this version of lightning_3d yet. "
-                    f"Data, tensor and pipeline parallelism with ZeRO stages 0-3 are."
+                    f"Data, tensor and pipeline parallelism with ZeRO stages 0-3, CPU offload and NVMe offload "
+                    f"of optimizer state (stages 1-2) are."
                 )
 
     def to_dict(self) -> dict[str, Any]:

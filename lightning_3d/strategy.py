@@ -38,6 +38,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_3d.activation_checkpointing import apply_activation_checkpointing
 from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.consolidated import (
     full_optimizer_state,
@@ -79,7 +80,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         micro_batches: micro-batches per step and pipeline; ``None`` picks a divisor of the batch.
         virtual_stages: model chunks per pipeline rank (interleaved 1F1B).
-        activation_checkpointing: ``None``, ``"full"`` or ``"selective"``.
+        activation_checkpointing: ``None``, ``"full"`` (recompute whole blocks) or ``"selective"``
+            (recompute the attention core only).
+        checkpoint_every_n_layers: checkpoint blocks 0, n, 2n, ... (1: every block).
         offload_optimizer: ``None``, ``"cpu"`` or ``"nvme"`` (ZeRO >= 1).
         offload_params: ``None``, ``"cpu"`` or ``"nvme"`` (ZeRO 3).
         nvme_path: directory for NVMe offload files.
@@ -111,6 +114,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         offload_optimizer: Optional[Union[str, bool]] = None,
         offload_params: Optional[Union[str, bool]] = None,
         nvme_path: Optional[str] = None,
+        checkpoint_every_n_layers: int = 1,
         timeout: Union[float, int, timedelta, None] = DEFAULT_TIMEOUT_S,
         tensor_parallel_plan: Optional[Union[TensorParallelPlan, dict[str, Any]]] = None,
         pipeline_partition: Union[str, list[int]] = "uniform",
@@ -143,6 +147,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
             nvme_path=nvme_path,
+            checkpoint_every_n_layers=checkpoint_every_n_layers,
             timeout=timeout,
         )
         self.config.require_implemented()
@@ -266,6 +271,10 @@ class ThreeDParallelStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.config.tensor_parallel > 1:
             self._apply_tensor_parallel()
+        if self.config.activation_checkpointing != "none":
+            apply_activation_checkpointing(
+                self.lightning_module, self.config.activation_checkpointing, self.config.checkpoint_every_n_layers, self._rng_tracker
+            )
         if self.config.pipeline_parallel > 1:
             self._apply_pipeline()
         if fitting and self._layer_sync:
@@ -287,7 +296,14 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self._point_metrics_at_dp_group()
         if self._zero is None:
             self._zero = ZeroCoordinator(
-                self.config.zero_stage, topo, precision.compute_dtype, precision.master_dtype, self._bucket_bytes
+                self.config.zero_stage,
+                topo,
+                precision.compute_dtype,
+                precision.master_dtype,
+                self._bucket_bytes,
+                offload_optimizer=self.config.offload_optimizer,
+                offload_params=self.config.offload_params,
+                nvme_path=self.config.nvme_path,
             )
         self._zero.prepare_module(self.model, self.root_device)
         if fitting:

@@ -195,7 +195,7 @@ def find_sequences(root: nn.Module) -> list[tuple[str, nn.Module, LayerSequence]
     """(name, module, sequence) for the outermost pipelinable models inside ``root``."""
     found: list[tuple[str, nn.Module, LayerSequence]] = []
     for name, module in root.named_modules():
-        if any(name.startswith(prefix + ".") for prefix, _, _ in found) or module is root:
+        if any(name.startswith(prefix + ".") or prefix == "" for prefix, _, _ in found):
             continue
         sequence = builtin_sequence(module)
         if sequence is not None:

@@ -7,6 +7,9 @@ stages 1, 2    :class:`ZeroOptimizer` (sharded masters and state; stage 2 also g
 stage 3        FSDP2 ``fully_shard`` per block; the user's optimizer over sharded parameters
 =============  ===========================================================================
 
+Offload: stages 1-2 keep masters and state on the CPU or NVMe (``ZeroOptimizer``); stage 3 uses
+FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients and the step on the CPU).
+
 The strategy only calls :meth:`prepare_module`, :meth:`wrap_optimizers`, :meth:`no_sync`,
 :meth:`after_backward` and the checkpoint/memory helpers.
 """
@@ -35,8 +38,12 @@ class ZeroCoordinator:
         compute_dtype: torch.dtype,
         master_dtype: torch.dtype,
         bucket_bytes: int,
+        offload_optimizer: str = "none",
+        offload_params: str = "none",
+        nvme_path: Optional[str] = None,
     ) -> None:
         self.stage, self.topology = stage, topology
+        self.offload_optimizer, self.offload_params, self.nvme_path = offload_optimizer, offload_params, nvme_path
         self.compute_dtype, self.master_dtype = compute_dtype, master_dtype
         self.bucket_bytes = bucket_bytes
         self.reducer: Optional[GradientReducer] = None
@@ -52,7 +59,8 @@ class ZeroCoordinator:
         if self.stage != 3 or self.fsdp_roots:
             return
         mixed = (self.compute_dtype, torch.float32) if self.mixed else (None, None)
-        self.fsdp_roots = apply_zero3(module, self.topology.mesh["dp"], *mixed)
+        offload = "cpu" in (self.offload_optimizer, self.offload_params)
+        self.fsdp_roots = apply_zero3(module, self.topology.mesh["dp"], *mixed, cpu_offload=offload)
         materialize_meta(module, device)
 
     def wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Any]:
@@ -81,6 +89,8 @@ class ZeroCoordinator:
                 tp_group=self.topology.tp_group,
                 bucket_bytes=self.bucket_bytes,
                 pp_group=self.topology.pp_group,
+                offload=self.offload_optimizer,
+                nvme_path=self.nvme_path,
             )
             for opt in optimizers
         ]

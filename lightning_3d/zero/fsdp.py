@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_3d.tensor_parallel.spec import get_spec, set_spec
 
@@ -39,6 +39,7 @@ def apply_zero3(
     dp_mesh: DeviceMesh,
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    cpu_offload: bool = False,
 ) -> list[FSDPModule]:
     """Shard ``root``'s submodules in place; tensor-parallel specs survive the parameter swap."""
     if any(True for _ in root.parameters(recurse=False)):
@@ -49,10 +50,13 @@ def apply_zero3(
         )
     specs = {name: get_spec(p) for name, p in root.named_parameters(remove_duplicate=False)}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    extra: dict[str, Any] = {}
+    if cpu_offload:  # sharded parameters and gradients in host memory; the optimizer step runs there
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     top: list[FSDPModule] = []
     top_level = set(map(id, root.children()))
     for unit in fsdp_units(root):
-        sharded = fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+        sharded = fully_shard(unit, mesh=dp_mesh, mp_policy=policy, **extra)
         if id(unit) in top_level:
             top.append(sharded)
     for name, p in root.named_parameters(remove_duplicate=False):

@@ -39,9 +39,10 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
-from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
 from lightning_3d.tensor_parallel.mappings import gather_along
+from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, unique_trainable
+from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
 
 REDUCE_DTYPE = torch.float32
 
@@ -87,9 +88,12 @@ class ShardedGradients(BucketedBackward[_Bucket]):
     ``param.grad`` is ``None``: the reduced gradient lives in the optimizer's slice.
     """
 
-    def __init__(self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int) -> None:
+    def __init__(
+        self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int, grad_device: Optional[torch.device] = None
+    ) -> None:
         super().__init__(group)
         self.stage = stage
+        self.grad_device = grad_device  # stage 2 with offload: reduced slices go to host memory
         self._register(buckets)
 
     def _transient(self, bucket: _Bucket) -> bool:
@@ -135,8 +139,9 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         reduced = bucket.send if self.stage == 0 else bucket.recv  # stage 0: the slice is the whole bucket
         if self.stage == 2:
             if bucket.grad_shard is None:
-                bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=bucket.param_buf.dtype, device=reduced.device)
-            bucket.grad_shard.add_(reduced)
+                device = self.grad_device or reduced.device
+                bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=bucket.param_buf.dtype, device=device)
+            bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device, non_blocking=True))
         elif bucket.reduced:  # a second synchronizing backward this step: add to the held slice
             bucket.slice_of(bucket.grad_buf).add_(reduced)
         else:  # the staging buffer is consumed: zero it, keep the reduced slice in place
@@ -166,7 +171,9 @@ class ZeroOptimizer:
         stage: 0, 1 or 2.
         compute_dtype: dtype of the model's parameters and gradients (bf16/fp16 for mixed modes).
         master_dtype: dtype of the master weights the inner optimizer updates (fp32 normally).
-        tp_group: the tensor-parallel group (for counting replicated parameters once in norms).
+        tp_group / pp_group: for counting each parameter once in global norms.
+        offload: ``"none"``, ``"cpu"`` (masters and state in host memory, the step on the CPU) or
+            ``"nvme"`` (masters and Adam moments in a file under ``nvme_path``); see ``offload.py``.
     """
 
     def __init__(
@@ -179,29 +186,47 @@ class ZeroOptimizer:
         tp_group: Optional[dist.ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         pp_group: Optional[dist.ProcessGroup] = None,
+        offload: str = "none",
+        nvme_path: Optional[str] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 0-2, got {stage}.")
+        if offload == "nvme" and not is_adam(optimizer):
+            raise ValueError(
+                f"offload_optimizer='nvme' streams Adam/AdamW state; {type(optimizer).__name__} is not supported there "
+                f"(use offload_optimizer='cpu', which runs any optimizer)."
+            )
         self.optimizer = optimizer
         self.dp_group, self.tp_group, self.pp_group, self.stage = dp_group, tp_group, pp_group, stage
-        self.compute_dtype, self.master_dtype = compute_dtype, master_dtype
+        self.compute_dtype, self.master_dtype, self.offload = compute_dtype, master_dtype, offload
+        self.host = torch.device("cpu") if offload != "none" else None
         dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         shards = 1 if stage == 0 else dp
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        buckets: list[_Bucket] = []
+        layout: list[tuple[int, list[Parameter]]] = []
         seen: set[int] = set()
         for g_idx, group in enumerate(optimizer.param_groups):
             params = [p for p in unique_trainable(group["params"]) if id(p) not in seen]
             seen.update(id(p) for p in params)
-            for members in assign_buckets(params[::-1], bucket_bytes):
-                buckets.append(self._build_bucket(members, g_idx, shards, 0 if stage == 0 else rank, tp_rank))
-        self.buckets = buckets
-        self.grads = ShardedGradients(buckets, dp_group, stage)
-        self.inner = self._inner_optimizer()
+            layout.extend((g_idx, members) for members in assign_buckets(params[::-1], bucket_bytes))
+        self.store: Optional[NVMeStateStore] = None
+        self.chunk_adam: Optional[ChunkAdam] = None
+        if offload == "nvme":  # the file exists before any master does: masters go straight to disk
+            if not nvme_path:
+                raise ValueError("offload_optimizer='nvme' needs nvme_path=<a directory on a fast local disk>.")
+            sizes = [-(-sum(p.numel() for p in members) // shards) for _, members in layout]
+            self.store = NVMeStateStore(nvme_path, dist.get_rank(), sizes)
+            self.chunk_adam = ChunkAdam(optimizer)
+        self.buckets = [
+            self._build_bucket(slot, members, g_idx, shards, 0 if stage == 0 else rank, tp_rank)
+            for slot, (g_idx, members) in enumerate(layout)
+        ]
+        self.grads = ShardedGradients(self.buckets, dp_group, stage, grad_device=self.host)
+        self.inner = None if self.store is not None else self._inner_optimizer()
         self.state = self.optimizer.state  # Lightning moves/inspects this; ours lives in self.inner
 
     # -- construction ------------------------------------------------------------------------
-    def _build_bucket(self, params: list[Parameter], g_idx: int, shards: int, rank: int, tp_rank: int) -> _Bucket:
+    def _build_bucket(self, slot: int, params: list[Parameter], g_idx: int, shards: int, rank: int, tp_rank: int) -> _Bucket:
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
@@ -213,12 +238,16 @@ class ZeroOptimizer:
             exact[off : off + p.numel()].copy_(p.detach().reshape(-1))
         shard_size = padded // shards
         shard_start = rank * shard_size
-        if self.compute_dtype == self.master_dtype:
-            param_buf = exact
-            master = exact[shard_start : shard_start + shard_size]
-        else:
-            param_buf = exact.to(self.compute_dtype)
-            master = exact[shard_start : shard_start + shard_size].clone()
+        param_buf = exact if self.compute_dtype == self.master_dtype else exact.to(self.compute_dtype)
+        mine = exact[shard_start : shard_start + shard_size]
+        if self.store is not None:  # NVMe: the master slice lives in the file
+            self.store.write_all(slot, "master", mine)
+            master = torch.empty(0)
+        elif self.host is not None:  # offloaded: a host copy of this rank's slice
+            master = host_empty(shard_size, self.master_dtype)
+            master.copy_(mine)
+        else:  # on the device: the parameter slice itself when the dtypes match
+            master = mine if param_buf is exact else mine.clone()
         for p, off in zip(params, offsets):
             p.data = param_buf[off : off + p.numel()].view_as(p)
         bucket = _Bucket(params, offsets, padded, shard_start, shard_size, g_idx, param_buf, master)
@@ -240,13 +269,16 @@ class ZeroOptimizer:
         return bucket
 
     def _inner_optimizer(self) -> Optimizer:
-        """A shallow copy of the user's optimizer over this rank's master slices."""
-        inner = copy.copy(self.optimizer)
-        inner.__dict__.pop("step", None)  # LR schedulers patch the instance's step; ours is the class's
+        """The optimizer that updates this rank's master slices: with CPU offload of Adam/AdamW, torch's
+        fused CPU kernel; otherwise a shallow copy of the user's optimizer."""
         groups = []
         for g_idx, group in enumerate(self.optimizer.param_groups):
             masters = [b.master for b in self.buckets if b.group_index == g_idx]
             groups.append({**group, "params": masters})
+        if self.offload == "cpu" and is_adam(self.optimizer):
+            return fused_adam_like(self.optimizer, groups)
+        inner = copy.copy(self.optimizer)
+        inner.__dict__.pop("step", None)  # LR schedulers patch the instance's step; ours is the class's
         inner.param_groups = groups
         inner.state = defaultdict(dict)
         try:  # optimizers that create state eagerly in __init__ (Adagrad)
@@ -286,26 +318,65 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = closure() if closure is not None else None
-        for inner_group, group in zip(self.inner.param_groups, self.optimizer.param_groups):
-            inner_group.update({k: v for k, v in group.items() if k != "params"})
-        stepped = []
-        for bucket, grad in self._grad_slices():
-            bucket.master.grad = grad if grad.dtype == bucket.master.dtype else grad.to(bucket.master.dtype)
-            stepped.append(bucket)
-        self.inner.step()
+        stepped = self._step_nvme() if self.store is not None else self._step_in_memory()
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  (LR schedulers check it)
         handles = []
         for bucket in stepped:
-            bucket.master.grad = None
-            mine = bucket.slice_of(bucket.param_buf)
-            if mine.data_ptr() != bucket.master.data_ptr():
-                mine.copy_(bucket.master)
             if self.stage > 0:
+                mine = bucket.slice_of(bucket.param_buf)
                 handles.append(dist.all_gather_into_tensor(bucket.param_buf, mine.clone(), group=self.dp_group, async_op=True))
         for h in handles:
             h.wait()
         self.zero_grad()
         return loss
+
+    def _step_in_memory(self) -> list[_Bucket]:
+        assert self.inner is not None
+        for inner_group, group in zip(self.inner.param_groups, self.optimizer.param_groups):
+            inner_group.update({k: v for k, v in group.items() if k != "params" and k in inner_group})
+        stepped = []
+        for bucket, grad in self._grad_slices():
+            master = bucket.master
+            bucket.master.grad = grad if (grad.dtype, grad.device) == (master.dtype, master.device) else grad.to(master.device, master.dtype)
+            stepped.append(bucket)
+        self.inner.step()
+        for bucket in stepped:
+            bucket.master.grad = None
+            mine = bucket.slice_of(bucket.param_buf)
+            if mine.data_ptr() != bucket.master.data_ptr():
+                mine.copy_(bucket.master, non_blocking=True)
+        return stepped
+
+    def _step_nvme(self) -> list[_Bucket]:
+        """Stream master and moments chunk by chunk: read ahead, step, write behind."""
+        assert self.store is not None and self.chunk_adam is not None
+        reduced = self._reduced_with_slot()
+        work = [(slot, bucket, grad, span) for slot, bucket, grad in reduced for span in self.store.chunks(slot)]
+        pending = self.store.prefetch(work[0][0], *work[0][3]) if work else None
+        writes = []
+        for i, (slot, bucket, grad, (start, end)) in enumerate(work):
+            buffers = pending.result()
+            if i + 1 < len(work):
+                pending = self.store.prefetch(work[i + 1][0], *work[i + 1][3])
+            group = self.optimizer.param_groups[bucket.group_index]
+            chunk_grad = grad[start:end].to("cpu", torch.float32)
+            self.chunk_adam.step(group, self.store.steps[slot], buffers, chunk_grad)
+            bucket.slice_of(bucket.param_buf)[start:end].copy_(buffers["master"], non_blocking=True)
+            writes.append(self.store.write_back(slot, start, buffers))
+        for w in writes:
+            w.result()
+        for slot, _, _ in reduced:
+            self.store.steps[slot] += 1
+        return [bucket for _, bucket, _ in reduced]
+
+    def _reduced_with_slot(self) -> list[tuple[int, _Bucket, Tensor]]:
+        """(file slot, bucket, gradient slice) for the buckets that received gradients this step."""
+        out = []
+        for slot, bucket in enumerate(self.buckets):
+            grad = self.grads.grad_slice(bucket)
+            if grad is not None:
+                out.append((slot, bucket, grad))
+        return out
 
     # -- precision support: unscale, overflow, global norm ----------------------------------------------
     def unscale_(self, inv_scale: float) -> None:
@@ -321,7 +392,7 @@ class ZeroOptimizer:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for bucket, grad in self._grad_slices():
             for lo, hi in bucket.counted:
-                total += grad[lo:hi].float().pow(2).sum()
+                total += grad[lo:hi].float().pow(2).sum().to(device)
         if self.stage > 0:
             dist.all_reduce(total, group=self.dp_group)
         for group in (self.tp_group, self.pp_group):
@@ -341,15 +412,28 @@ class ZeroOptimizer:
         """All-gather a per-rank slice tensor back to the whole bucket (stage 0: already whole)."""
         if self.stage == 0:
             return local
-        return gather_along(local.contiguous(), 0, self.dp_group)
+        return gather_along(local.to(bucket.param_buf.device).contiguous(), 0, self.dp_group)
+
+    def _master_of(self, slot: int, bucket: _Bucket) -> Tensor:
+        return self.store.read_all(slot, "master") if self.store is not None else bucket.master
+
+    def _inner_state(self, slot: int, bucket: _Bucket) -> dict[str, Any]:
+        if self.store is not None:
+            return {
+                "step": torch.tensor(float(self.store.steps[slot])),
+                "exp_avg": self.store.read_all(slot, "exp_avg"),
+                "exp_avg_sq": self.store.read_all(slot, "exp_avg_sq"),
+            }
+        assert self.inner is not None
+        return dict(self.inner.state.get(bucket.master, {}))
 
     def dense_master(self) -> dict[int, Tensor]:
         """id(param) -> dense (tp-gathered) master weight; empty when the master is the parameter."""
         out: dict[int, Tensor] = {}
-        if self.compute_dtype == self.master_dtype:
+        if self.compute_dtype == self.master_dtype and self.offload == "none":
             return out
-        for bucket in self.buckets:
-            full = self._full_bucket(bucket, bucket.master)
+        for slot, bucket in enumerate(self.buckets):
+            full = self._full_bucket(bucket, self._master_of(slot, bucket))
             for i, p in enumerate(bucket.params):
                 out[id(p)] = _dense(bucket.view(full, i), get_spec(p))
         return out
@@ -357,8 +441,8 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         index = {id(p): i for i, p in enumerate(self._flat_params())}
         state: dict[int, dict[str, Any]] = {}
-        for bucket in self.buckets:
-            inner_state = self.inner.state.get(bucket.master, {})
+        for slot, bucket in enumerate(self.buckets):
+            inner_state = self._inner_state(slot, bucket)
             full = {k: self._full_bucket(bucket, v) if _is_slice_state(v, bucket) else v for k, v in inner_state.items()}
             for i, p in enumerate(bucket.params):
                 entry = state.setdefault(index[id(p)], {})
@@ -376,36 +460,47 @@ class ZeroOptimizer:
         for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        for bucket in self.buckets:
+        for slot, bucket in enumerate(self.buckets):
             entries = [saved_state.get(index[id(p)]) for p in bucket.params]
             if any(e is None for e in entries):
                 continue
-            names = entries[0].keys()
             inner: dict[str, Any] = {}
-            for name in names:
+            for name in entries[0]:
                 values = [e[name] for e in entries]
                 if isinstance(values[0], Tensor) and values[0].dim() > 0:
-                    flat = torch.zeros(bucket.padded, dtype=values[0].dtype, device=bucket.master.device)
+                    flat = torch.zeros(bucket.padded, dtype=values[0].dtype, device=bucket.param_buf.device)
                     for i, (p, v) in enumerate(zip(bucket.params, values)):
                         bucket.view(flat, i).copy_(_local(v, get_spec(p)))
-                    inner[name] = bucket.slice_of(flat).clone()
+                    inner[name] = bucket.slice_of(flat).clone().to(self.host or bucket.param_buf.device)
                 else:
                     inner[name] = values[0].clone() if isinstance(values[0], Tensor) else values[0]
-            self.inner.state[bucket.master] = inner
+            if self.store is not None:
+                self.store.steps[slot] = int(float(inner.pop("step", 0)))
+                for name, value in inner.items():
+                    self.store.write_all(slot, name, value)
+            else:
+                assert self.inner is not None
+                self.inner.state[bucket.master] = inner
 
     def load_dense_master(self, dense: dict[int, Tensor]) -> None:
         """Set master slices (and parameters) from dense fp32 weights keyed by id(param)."""
-        for bucket in self.buckets:
+        for slot, bucket in enumerate(self.buckets):
             if not all(id(p) in dense for p in bucket.params):
                 continue
-            flat = torch.zeros(bucket.padded, dtype=self.master_dtype, device=bucket.master.device)
+            flat = torch.zeros(bucket.padded, dtype=self.master_dtype, device=bucket.param_buf.device)
             for i, p in enumerate(bucket.params):
                 bucket.view(flat, i).copy_(_local(dense[id(p)], get_spec(p)))
-            bucket.master.copy_(bucket.slice_of(flat))
+            if self.store is not None:
+                self.store.write_all(slot, "master", bucket.slice_of(flat))
+            else:
+                bucket.master.copy_(bucket.slice_of(flat))
             bucket.param_buf.copy_(flat)
 
     def remove(self) -> None:
         self.grads.remove()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
 
 def _is_slice_state(value: Any, bucket: _Bucket) -> bool:
