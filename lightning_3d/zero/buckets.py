@@ -60,8 +60,9 @@ class BucketedBackward(Generic[B]):
     """Subclasses build ``self.buckets`` (objects with a ``params`` list) and implement
     ``_gradient_ready``, ``_launch`` and ``_complete``."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, max_in_flight: int = 2) -> None:
         self.group = group
+        self.max_in_flight = max_in_flight  # launched, uncompleted buckets: bounds transient buffers
         self.world = dist.get_world_size(group)
         self.enabled = True
         self.collectives_launched = 0
@@ -125,6 +126,16 @@ class BucketedBackward(Generic[B]):
             return
         self._handles[b_idx] = self._launch(bucket)
         self.collectives_launched += 1
+        in_flight = [i for i in range(self._next_launch) if not self._skipped[i] and not self._completed[i]]
+        for i in in_flight[: max(0, len(in_flight) - self.max_in_flight)]:
+            self._complete_bucket(i)  # the oldest first: keeps at most max_in_flight buffers alive
+
+    def _complete_bucket(self, b_idx: int) -> None:
+        handle = self._handles[b_idx]
+        if handle is not None:
+            handle.wait()
+        self._complete(self.buckets[b_idx])
+        self._completed[b_idx] = True
 
     def finish(self) -> None:
         """Launch what is left (in order), wait for everything, complete every launched bucket.
@@ -135,13 +146,9 @@ class BucketedBackward(Generic[B]):
             return
         while self._next_launch < len(self.buckets):
             self._launch_next()
-        for b_idx, bucket in enumerate(self.buckets):
-            if self._skipped[b_idx]:
-                continue
-            handle = self._handles[b_idx]
-            if handle is not None:
-                handle.wait()
-            self._complete(bucket)
+        for b_idx in range(len(self.buckets)):
+            if not self._skipped[b_idx] and not self._completed[b_idx]:
+                self._complete_bucket(b_idx)
         self._reset()
         self._finished = True
 
@@ -150,6 +157,7 @@ class BucketedBackward(Generic[B]):
         self._ready = [0] * n
         self._launched = [False] * n
         self._skipped = [False] * n
+        self._completed = [False] * n
         self._handles: list[Optional[dist.Work]] = [None] * n
         self._next_launch = 0
         self._pending = False

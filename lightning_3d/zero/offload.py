@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,7 +56,7 @@ class _Region:
 class NVMeStateStore:
     """Adam state (fp32 master, exp_avg, exp_avg_sq) of this rank's slices, in a file."""
 
-    def __init__(self, directory: str, rank: int, sizes: list[int], pool: int = 2) -> None:
+    def __init__(self, directory: str, rank: int, sizes: list[int], pool: int = 2, buffer_sets: int = 3) -> None:
         root = Path(directory)
         if not root.is_dir():
             raise FileNotFoundError(
@@ -83,6 +84,10 @@ class NVMeStateStore:
         self._write_zeros(offset)
         self.pool = ThreadPoolExecutor(max_workers=pool, thread_name_prefix="nvme")
         self.steps = [0] * len(sizes)
+        chunk = min(NVME_CHUNK, max(sizes, default=1))
+        self._free: queue.Queue[dict[str, Tensor]] = queue.Queue()
+        for _ in range(buffer_sets):  # one being stepped, one being read ahead, one being written behind
+            self._free.put({name: host_empty(chunk) for name in ADAM_STATE})
 
     def _write_zeros(self, nbytes: int) -> None:
         try:
@@ -114,20 +119,29 @@ class NVMeStateStore:
             yield start, min(n, start + chunk)
 
     def prefetch(self, slot: int, start: int, end: int) -> Future:
-        """Read master and moments of ``[start, end)`` into fresh buffers in the background."""
+        """Read master and moments of ``[start, end)`` into a pooled buffer set in the background
+        (blocks while every set is busy: resident memory stays at the pool)."""
+        buffers = self._free.get()
 
         def load() -> dict[str, Tensor]:
-            buffers = {name: host_empty(end - start) for name in ADAM_STATE}
-            for name, buf in buffers.items():
-                self.read(slot, name, start, buf)
-            return buffers
+            views = {name: buf[: end - start] for name, buf in buffers.items()}
+            for name, view in views.items():
+                self.read(slot, name, start, view)
+            views["_set"] = buffers  # type: ignore[assignment]
+            return views
 
         return self.pool.submit(load)
 
-    def write_back(self, slot: int, start: int, buffers: dict[str, Tensor]) -> Future:
+    def write_back(self, slot: int, start: int, views: dict[str, Tensor]) -> Future:
+        """Write the chunk back in the background, then return its buffer set to the pool."""
+        owner = views.pop("_set")
+
         def store() -> None:
-            for name, buf in buffers.items():
-                self.write(slot, name, start, buf)
+            try:
+                for name, view in views.items():
+                    self.write(slot, name, start, view)
+            finally:
+                self._free.put(owner)
 
         return self.pool.submit(store)
 
