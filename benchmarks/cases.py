@@ -52,9 +52,17 @@ def _strategy(spec: str) -> tuple[Any, type[GPTModule]]:
     from lightning_3d import ThreeDParallelStrategy
 
     name, _, args = spec.partition(":")
-    kwargs = {k: int(v) for k, v in (item.split("=") for item in args.split(",") if item)}
+    kwargs: dict[str, Any] = {k: (int(v) if v.isdigit() else v) for k, v in (item.split("=") for item in args.split(",") if item)}
     if name == "3d":
-        names = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "zero": "zero_stage"}
+        names = {
+            "dp": "data_parallel",
+            "tp": "tensor_parallel",
+            "pp": "pipeline_parallel",
+            "zero": "zero_stage",
+            "offload": "offload_optimizer",
+            "nvme": "nvme_path",
+            "ac": "activation_checkpointing",
+        }
         return ThreeDParallelStrategy(**{names[k]: v for k, v in kwargs.items()}), GPTModule
     if name == "model_parallel":
         from baselines import DTensorGPTModule
@@ -235,3 +243,77 @@ def pp2_bubbles(steps: int, repeats: int) -> dict[str, Any]:
     from pipeline_cases import bubbles
 
     return bubbles(steps, repeats)
+
+
+@case
+def offload_step_time(steps: int, repeats: int) -> dict[str, Any]:
+    """ZeRO-2 at dp=2: optimizer state on the device vs offloaded to CPU vs streamed from NVMe (a temp dir)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="nvme_bench_") as nvme:
+        runs = {
+            "none": (2, "3d:dp=2,zero=2"),
+            "cpu": (2, "3d:dp=2,zero=2,offload=cpu"),
+            "nvme": (2, f"3d:dp=2,zero=2,offload=nvme,nvme={nvme}"),
+        }
+        result = _alternate(runs, steps, repeats, global_batch=16)
+    out: dict[str, Any] = {"case": "offload_step_time", "model": BENCH_GPT, "global_batch": 16, "steps": steps, "repeats": repeats}
+    out.update(result)
+    out["cpu_vs_none_step_time_ratio"] = _ratio(result["cpu"]["step_time_s"], result["none"]["step_time_s"])
+    out["nvme_vs_cpu_step_time_ratio"] = _ratio(result["nvme"]["step_time_s"], result["cpu"]["step_time_s"])
+    return out
+
+
+@case
+def cpu_adam_throughput(steps: int, repeats: int) -> dict[str, Any]:
+    """Elements/s of one AdamW step on the CPU: torch per-parameter (foreach, fused) vs the offload path
+    (torch's fused kernel on the flat master slices ZeRO keeps)."""
+    import time
+
+    from lightning_3d.models import GPT
+    from lightning_3d.zero.offload import fused_adam_like
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=512))
+    params = [p for p in model.parameters()]
+    n = sum(p.numel() for p in params)
+
+    def rate(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> float:
+        for t in tensors:
+            t.grad = torch.randn_like(t) * 1e-3
+        optimizer.step()
+        times = []
+        for _ in range(max(5, steps // 3)):
+            start = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        return n / statistics.median(times)
+
+    flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
+    hyper = dict(lr=1e-3, weight_decay=0.1)
+    results = {
+        "torch_foreach": rate(torch.optim.AdamW(params, foreach=True, **hyper), params),
+        "torch_fused": rate(torch.optim.AdamW(params, fused=True, **hyper), params),
+        "ours_flat_fused": rate(fused_adam_like(torch.optim.AdamW(params, **hyper), [{"params": [flat], **hyper}]), [flat]),
+    }
+    return {
+        "case": "cpu_adam_throughput",
+        "parameters": n,
+        "tensors": len(params),
+        **{k: round(v / 1e6, 1) for k, v in results.items()},
+        "unit": "M elements/s",
+        "ours_vs_torch_fused_ratio": _ratio(results["ours_flat_fused"], results["torch_fused"]),
+        "ours_vs_torch_foreach_ratio": _ratio(results["ours_flat_fused"], results["torch_foreach"]),
+    }
+
+
+@case
+def recompute_overhead(steps: int, repeats: int) -> dict[str, Any]:
+    """Step time with full and selective activation checkpointing vs none (one rank, same GPT and batch)."""
+    runs = {"none": (1, "3d"), "selective": (1, "3d:ac=selective"), "full": (1, "3d:ac=full")}
+    result = _alternate(runs, steps, repeats, global_batch=8)
+    out: dict[str, Any] = {"case": "recompute_overhead", "model": BENCH_GPT, "global_batch": 8, "steps": steps, "repeats": repeats}
+    out.update(result)
+    out["selective_step_time_ratio"] = _ratio(result["selective"]["step_time_s"], result["none"]["step_time_s"])
+    out["full_step_time_ratio"] = _ratio(result["full"]["step_time_s"], result["none"]["step_time_s"])
+    return out

@@ -54,17 +54,23 @@ def memory_report(module: nn.Module, optimizers: list[Any], zero: Any, topology:
     report: dict[str, Any] = {"params": _storage_bytes(params, seen)}
     grads = [p.grad for p in params if p.grad is not None]
     masters, states = [], []
+    on_disk = 0
     for opt in optimizers:
         inner = getattr(opt, "inner", opt)
         for bucket in getattr(opt, "buckets", []):
             grads += [t for t in (bucket.grad_buf, bucket.grad_shard) if t is not None]
             masters.append(bucket.master)
-        for state in inner.state.values():
-            states += [v for v in state.values() if isinstance(v, Tensor)]
+        store = getattr(opt, "store", None)
+        if store is not None:  # NVMe: masters and moments live in the file
+            on_disk += sum(r.numel * 4 for regions in store.regions for r in regions.values())
+        if inner is not None:
+            for state in inner.state.values():
+                states += [v for v in state.values() if isinstance(v, Tensor)]
     report["grads"] = _storage_bytes(grads, seen)
     report["master"] = _storage_bytes(masters, seen)
     report["optimizer_state"] = _storage_bytes(states, seen)
     report["total"] = sum(report[k] for k in ("params", "grads", "master", "optimizer_state"))
+    report["nvme"] = on_disk
 
     psi = sum(p.numel() for p in params if p.requires_grad)  # DTensor.numel() is the dp-unsharded size
     n, stage = topology.dp_size, zero.stage
