@@ -19,11 +19,13 @@ from typing import Optional
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-USAGE = """usage: lightning-3d {fit,validate,test,predict,prepare} ...
+USAGE = """usage: lightning-3d {fit,validate,test,predict,prepare,consolidate,export} ...
 
   fit, validate, test, predict   LightningCLI over GPTModule + TextDataModule
                                  (lightning-3d fit --help lists every flag)
   prepare OUT INPUT [INPUT ...]  tokenize text files as bytes into OUT (.bin + .bin.json)
+  consolidate CKPT_DIR OUT       a sharded checkpoint as one dense .pt/.ckpt/.safetensors file
+  export CKPT_DIR OUT_DIR        a Hugging Face model directory (from_pretrained-loadable)
 
 examples:
   lightning-3d fit --trainer.strategy=3d --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=50
@@ -42,6 +44,33 @@ def prepare_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     meta = prepare_byte_tokens(args.inputs, args.out, suffixes=tuple(args.suffixes.split(",")))
     print(json.dumps({"out": args.out, **meta}))
+    return 0
+
+
+def consolidate_main(argv: list[str]) -> int:
+    from lightning_3d.checkpoint.consolidate import consolidate
+
+    parser = argparse.ArgumentParser(prog="lightning-3d consolidate", description="Write a sharded checkpoint as one file.")
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory (or its parent's interrupted save)")
+    parser.add_argument("out", help="output file: .pt / .ckpt (a Lightning checkpoint) or .safetensors (weights)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast floating tensors")
+    parser.add_argument("--weights-only", action="store_true", help="only the model's state dict")
+    args = parser.parse_args(argv)
+    print(json.dumps(consolidate(args.checkpoint, args.out, dtype=args.dtype, weights_only=args.weights_only)))
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    from lightning_3d.checkpoint.consolidate import export_hf
+
+    parser = argparse.ArgumentParser(prog="lightning-3d export", description="Export to a Hugging Face model directory.")
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory")
+    parser.add_argument("out", help="output directory (save_pretrained layout)")
+    parser.add_argument("--hf-config", default=None, help="config.json (or model dir) of the HF model that was trained")
+    parser.add_argument("--prefix", default="model.", help="the model's attribute path in the LightningModule")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    args = parser.parse_args(argv)
+    print(json.dumps(export_hf(args.checkpoint, args.out, prefix=args.prefix, hf_config=args.hf_config, dtype=args.dtype)))
     return 0
 
 
@@ -66,8 +95,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    if argv[0] == "prepare":
-        return prepare_main(argv[1:])
+    commands = {"prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
+    if argv[0] in commands:
+        return commands[argv[0]](argv[1:])
     if argv[0] in LIGHTNING_SUBCOMMANDS:
         lightning_main(argv)
         return 0

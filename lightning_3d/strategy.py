@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -51,7 +52,9 @@ from lightning_3d.checkpoint.consolidated import (
     parameter_names,
     shard_state_dict,
 )
+from lightning_3d.checkpoint.manager import ShardedCheckpointer
 from lightning_3d.collectives import broadcast_module_state
+from lightning_3d.fault import HealthMonitor
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.pipeline.sequences import find_sequences
@@ -92,6 +95,12 @@ class ThreeDParallelStrategy(ParallelStrategy):
             inside it (the reference GPT, HF Llama, HF GPT-2).
         pipeline_partition: how layers are cut into stages: ``"uniform"``, ``"parameters"`` or a list of the
             block indices where stages 2.. start.
+        checkpoint_format: ``"sharded"`` (a directory, each rank writes its pieces; loads under any layout)
+            or ``"consolidated"`` (one dense file, gathered; for small models).
+        async_checkpoint: write shards from a background thread; the checkpoint is committed at the next
+            checkpoint, at the end of training, or before a load.
+        keep_last_k: keep only the newest k complete checkpoints in a checkpoint directory.
+        health_check: a heartbeat watchdog that ends the job, naming the rank, when a peer dies or freezes.
         bucket_size_mb: size of gradient communication buckets.
         process_group_backend: defaults to ``nccl`` on GPUs and ``gloo`` on CPUs.
         start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
@@ -118,6 +127,10 @@ class ThreeDParallelStrategy(ParallelStrategy):
         timeout: Union[float, int, timedelta, None] = DEFAULT_TIMEOUT_S,
         tensor_parallel_plan: Optional[Union[TensorParallelPlan, dict[str, Any]]] = None,
         pipeline_partition: Union[str, list[int]] = "uniform",
+        checkpoint_format: Literal["sharded", "consolidated"] = "sharded",
+        async_checkpoint: bool = False,
+        keep_last_k: Optional[int] = None,
+        health_check: bool = True,
         bucket_size_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -158,6 +171,13 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self._bucket_bytes = int(bucket_size_mb * 2**20)
         self._tp_plan = tensor_parallel_plan
         self._pp_partition = pipeline_partition
+        if checkpoint_format not in ("sharded", "consolidated"):
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}: use 'sharded' or 'consolidated'.")
+        self._checkpoint_format = checkpoint_format
+        self._async_checkpoint, self._keep_last_k = async_checkpoint, keep_last_k
+        self._checkpointer: Optional[ShardedCheckpointer] = None
+        self._health_check = health_check
+        self._monitor: Optional[HealthMonitor] = None
         self._pipelines: list[PipelineRuntime] = []
         self._rng_tracker: Optional[RNGStatesTracker] = None
         self._process_group_backend = process_group_backend
@@ -258,6 +278,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._topology.mesh
         log.info("lightning_3d: %r", self._topology)
+        if self._health_check and self._monitor is None:
+            self._monitor = HealthMonitor(self.config.timeout)
+            self._monitor.start()
 
     def _limit_cpu_threads(self) -> None:
         """On CPU, share the cores among the local ranks instead of oversubscribing them."""
@@ -402,28 +425,28 @@ class ThreeDParallelStrategy(ParallelStrategy):
         with use_topology(self._topology):
             yield
 
-    # -- checkpoints: dense tensors, so they load at any layout ---------------------------------
+    # -- checkpoints: sharded (each rank writes its pieces) or consolidated (dense, one file) --------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore into the parallelized model: each rank then reads only the tensors it holds."""
+        return True
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Dense weights; with mixed precision the fp32 masters, not the low-precision copies.
-        Pipeline stages each contribute the layers they hold."""
+        """Consolidated format: dense weights (the fp32 masters under mixed precision), every
+        pipeline stage's layers. Sharded format: nothing here -- ``save_checkpoint`` writes the pieces."""
         assert self.lightning_module is not None
+        if self._checkpoint_format == "sharded":
+            return {}
         masters = self._zero.dense_master_weights() if self._zero is not None else {}
         state = full_state_dict(self.lightning_module, overrides=masters)
         if self.config.pipeline_parallel > 1:
             state = merge_over_group(state, self.topology.pp_group)
         return state
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        local = set(module.state_dict().keys())
-        dense = {k: v for k, v in checkpoint["state_dict"].items() if k in local}  # other stages' layers skipped
-        module.load_state_dict(shard_state_dict(module, dense), strict=strict)
-        if self.precision_plugin.mixed:  # keep fp32 precision for the masters built later in setup
-            self._pending_master = {id(p): dense[n] for n, p in module.named_parameters() if n in dense}
-
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Dense and keyed by parameter name, so it loads under another layout."""
+        """Consolidated format: dense and keyed by parameter name, so it loads under another layout."""
+        if self._checkpoint_format == "sharded":
+            return {}
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         state = optimizer.state_dict() if isinstance(optimizer, ZeroOptimizer) else full_optimizer_state(optimizer)
@@ -433,6 +456,37 @@ class ThreeDParallelStrategy(ParallelStrategy):
         if self.config.pipeline_parallel > 1:
             state = merge_optimizer_states(state, self.topology.pp_group)
         return state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._checkpoint_format == "consolidated":
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("sharded checkpoints take no storage_options; use checkpoint_format='consolidated'.")
+        assert self.lightning_module is not None
+        names = parameter_names(self.lightning_module)
+        self.checkpointer.save(
+            checkpoint, str(filepath), self.lightning_module, self._raw_optimizers(), names, self._aliases(names), self._layout()
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir() or not path.exists():  # a sharded checkpoint (or an interrupted one: find the last good)
+            return self.checkpointer.load(str(path), weights_only=weights_only is not False, layout=self._layout())
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        source = checkpoint["state_dict"]
+        dense = {k: source[k] for k in module.state_dict().keys() if k in source}  # other stages' layers skipped
+        module.load_state_dict(shard_state_dict(module, dense), strict=strict)
+        if self.precision_plugin.mixed:  # the fp32 masters (built in setup, or later) get full precision
+            by_param = {id(p): dense[n] for n, p in module.named_parameters() if n in dense}
+            if self._zero is not None and self._zero.zero_optimizers:
+                self._zero.load_dense_master_weights(by_param)
+            else:
+                self._pending_master = by_param
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
@@ -444,6 +498,36 @@ class ThreeDParallelStrategy(ParallelStrategy):
             else:
                 load_sharded_optimizer_state(optimizer, state)
                 _optimizer_to_device(optimizer, self.root_device)
+
+    @property
+    def checkpointer(self) -> ShardedCheckpointer:
+        if self._checkpointer is None:
+            self._checkpointer = ShardedCheckpointer(self.topology, self._rng_tracker, self._async_checkpoint, self._keep_last_k)
+        return self._checkpointer
+
+    def _raw_optimizers(self) -> list[Any]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+
+    def _layout(self) -> dict[str, Any]:
+        d = self.parallel_dims
+        return {"dp": int(d.dp), "tp": d.tp, "pp": d.pp, "zero_stage": self.config.zero_stage, "virtual_stages": self.config.virtual_stages}
+
+    def _aliases(self, names: dict[int, list[str]]) -> list[list[str]]:
+        """Groups of names that are one tied weight (pipeline stages hold the two sides of a tie
+        separately: the runtimes remember the dense model's ties)."""
+        groups = [group for group in names.values() if len(group) > 1]
+        for prefix, runtime in self._pipeline_prefixes():
+            groups += [[f"{prefix}{n}" for n in group] for group in runtime.tied_groups]
+        return groups
+
+    def _pipeline_prefixes(self) -> list[tuple[str, PipelineRuntime]]:
+        module = self.lightning_module
+        out = []
+        for name, sub in module.named_modules() if module is not None else []:
+            runtime = getattr(sub, "pipeline_runtime", None)
+            if isinstance(runtime, PipelineRuntime):
+                out.append((f"{name}." if name else "", runtime))
+        return out
 
     def _point_metrics_at_dp_group(self) -> None:
         """torchmetrics sync over the world by default; tp/pp peers hold copies of the same samples."""
@@ -521,7 +605,17 @@ class ThreeDParallelStrategy(ParallelStrategy):
         return box[0]
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.finalize()  # an asynchronous save is committed before fit returns
+
     def teardown(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
         if self._zero is not None:  # kept: ZeRO-3's sharding stays applied for a later validate/test
             self._zero.remove()
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
         super().teardown()

@@ -131,15 +131,18 @@ def keyed_by_index(state: dict[str, Any], optimizer: Any, names: dict[int, list[
     if not state["state"] or isinstance(next(iter(state["state"])), int):
         return state  # index-keyed already
     params = _flat_params(optimizer)
-    index: dict[str, int] = {}
-    for i, p in enumerate(params):
+    saved_state = state["state"]
+    local: dict[int, Any] = {}
+    for i, p in enumerate(params):  # look up only this rank's parameters (the state may be lazy)
         for alias in names[id(p)]:
-            index.setdefault(alias, i)
+            if alias in saved_state:
+                local[i] = saved_state[alias]
+                break
     groups, offset = [], 0
-    for local, saved in zip(optimizer.param_groups, state["param_groups"]):
-        groups.append({**saved, "params": list(range(offset, offset + len(local["params"])))})
-        offset += len(local["params"])
-    return {"state": {index[n]: v for n, v in state["state"].items() if n in index}, "param_groups": groups}
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        groups.append({**saved, "params": list(range(offset, offset + len(group["params"])))})
+        offset += len(group["params"])
+    return {"state": local, "param_groups": groups}
 
 
 def merge_over_group(value: dict[str, Any], group: Any) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class PipelineRuntime:
         self.ranges = partition(len(sequence.blocks), self.pieces, config.partition, weights)
         self.layout = describe(self.ranges, self.p)
         self.tied: list[Tensor] = []
+        self.tied_groups: list[list[str]] = []  # dense-model names of weights tied across first and last stage
         self._prune()
         self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
         self._stash: dict[int, Optional[Tensor]] = {}
@@ -143,6 +144,7 @@ class PipelineRuntime:
         embed = set(self.sequence.embed_modules)
         head = set(self.sequence.head_modules)
         spanning = [g for g in ties if {m for m, _ in g} & embed and {m for m, _ in g} & head]
+        self.tied_groups = [[f"{m}.{a}" for m, a in g] for g in spanning]
         if spanning:
             self.topology.embedding_group()  # collective: every rank creates the groups together
         for group in spanning:

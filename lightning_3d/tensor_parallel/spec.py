@@ -121,3 +121,34 @@ def gather_full(shard: Tensor, spec: TPSpec) -> Tensor:
         order = [pieces[r * spec.num_blocks + b] for b in range(spec.num_blocks) for r in range(spec.world)]
         gathered = torch.cat(order, dim=dim)
     return gathered.narrow(dim, 0, spec.full_shape[dim])
+
+
+def assemble_dense(locals_by_rank: dict[int, Tensor], spec: dict) -> Tensor:
+    """The dense tensor from every tensor-parallel rank's local tensor, without communication.
+
+    ``spec`` is a serialized :class:`TPSpec` (``dim``, ``world``, ``num_blocks``, ``full_shape``): the
+    inverse of :func:`shard_tensor`, used when reading sharded checkpoints.
+    """
+    dim, world = spec.get("dim"), spec.get("world", 1)
+    if dim is None or world == 1:
+        return next(iter(locals_by_rank.values()))
+    missing = set(range(world)) - set(locals_by_rank)
+    if missing:
+        raise ValueError(f"tensor-parallel ranks {sorted(missing)} of a sharded tensor are missing.")
+    blocks = spec.get("num_blocks", 1)
+    parts = [locals_by_rank[r].chunk(blocks, dim=dim) for r in range(world)]
+    dense = torch.cat([parts[r][b] for b in range(blocks) for r in range(world)], dim=dim)
+    return dense.narrow(dim, 0, spec["full_shape"][dim])
+
+
+def spec_record(spec: Optional[TPSpec], full_shape: tuple[int, ...]) -> dict:
+    """A serializable description of how a local tensor relates to its dense counterpart."""
+    if spec is None or not spec.is_sharded:
+        return {"dim": None, "world": 1, "rank": 0, "num_blocks": 1, "full_shape": list(full_shape)}
+    return {
+        "dim": spec.dim,
+        "world": spec.world,
+        "rank": spec.rank,
+        "num_blocks": spec.num_blocks,
+        "full_shape": list(spec.full_shape),
+    }

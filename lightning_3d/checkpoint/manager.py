@@ -1,0 +1,129 @@
+"""Saving and loading sharded checkpoints across ranks (what the strategy delegates to).
+
+Save: every rank writes its own file into a temporary directory (optionally from a background
+thread, so training goes on), then -- at the next synchronization point -- rank 0 gathers the
+piece lists, writes the manifest and renames the directory into place. Load: the newest complete
+checkpoint at or beside the path, read lazily, so each rank assembles only the tensors it holds.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_3d.checkpoint.collect import collect_model, collect_optimizer, merge_param_groups, named_param_groups, rng_tensors
+from lightning_3d.checkpoint.sharded import (
+    LazyDense,
+    LazyOptimizerState,
+    RankShard,
+    ShardedCheckpoint,
+    build_manifest,
+    keep_last,
+    latest_complete,
+    publish,
+    temporary_dir,
+    write_rank_shard,
+)
+from lightning_3d.topology import Topology
+
+
+class ShardedCheckpointer:
+    def __init__(self, topology: Topology, tracker: Any = None, async_save: bool = False, keep_last_k: Optional[int] = None) -> None:
+        if keep_last_k is not None and keep_last_k < 1:
+            raise ValueError(f"keep_last_k={keep_last_k} must be at least 1 (or None to keep every checkpoint).")
+        self.topology, self.tracker = topology, tracker
+        self.async_save, self.keep_last_k = async_save, keep_last_k
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if async_save else None
+        self._pending: Optional[tuple[Future, tuple]] = None
+        self.last_stats: dict[str, float] = {}
+
+    # -- save -----------------------------------------------------------------------------------------
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: str,
+        module: nn.Module,
+        optimizers: list[Any],
+        names: dict[int, list[str]],
+        aliases: list[list[str]],
+        layout: dict[str, Any],
+    ) -> None:
+        self.finalize()
+        start = time.perf_counter()
+        final = Path(filepath)
+        token = [f"{time.time_ns()}" if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        tmp = temporary_dir(final, token[0])
+        tmp.mkdir(parents=True, exist_ok=True)
+        shard = RankShard(dist.get_rank())
+        collect_model(shard, module, optimizers, self.topology)
+        for index, optimizer in enumerate(optimizers):
+            collect_optimizer(shard, index, optimizer, names, self.topology)
+        shard.tensors.update(rng_tensors(self.tracker))
+        groups = [named_param_groups(opt, names) for opt in optimizers]
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        step = int(checkpoint.get("global_step", 0))
+        context = (groups, meta, tmp, final, step, layout, aliases, start)
+        self.last_stats = {"bytes": float(sum(t.numel() * t.element_size() for t in shard.tensors.values()))}
+        if self._executor is not None:
+            self._pending = (self._executor.submit(write_rank_shard, tmp, shard), context)
+            self.last_stats["blocking_s"] = time.perf_counter() - start
+            return
+        self._commit(write_rank_shard(tmp, shard), *context)
+        self.last_stats["blocking_s"] = time.perf_counter() - start
+
+    def finalize(self) -> None:
+        """Commit an asynchronous save (collective: every rank calls it at the same points)."""
+        if self._pending is None:
+            return
+        future, context = self._pending
+        self._pending = None
+        self._commit(future.result(), *context)
+
+    def _commit(self, written: dict[str, Any], groups: list, meta: dict, tmp: Path, final: Path, step: int, layout: dict, aliases: list, start: float) -> None:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (written, groups))
+        if dist.get_rank() == 0:
+            manifest = build_manifest(step, layout, [w for w, _ in gathered], aliases)
+            meta = dict(meta, optimizer_param_groups=merge_param_groups([g for _, g in gathered]))
+            publish(tmp, final, manifest, meta)
+            if self.keep_last_k is not None:
+                keep_last(final.parent, self.keep_last_k, protect=final)
+        dist.barrier()
+        self.last_stats["total_s"] = time.perf_counter() - start
+
+    def close(self) -> None:
+        self.finalize()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    # -- load -----------------------------------------------------------------------------------------
+    def load(self, path: str, weights_only: bool, layout: dict[str, Any]) -> dict[str, Any]:
+        self.finalize()
+        reader = ShardedCheckpoint(latest_complete(Path(path)), weights_only=weights_only)
+        checkpoint = dict(reader.meta())
+        checkpoint["state_dict"] = LazyDense(reader, "model")
+        groups = checkpoint.pop("optimizer_param_groups", [])
+        checkpoint["optimizer_states"] = [{"state": LazyOptimizerState(reader, i), "param_groups": g} for i, g in enumerate(groups)]
+        if reader.manifest["layout"] == layout:  # same ranks, same roles: resume their random streams too
+            self._restore_rng(reader)
+        checkpoint["lightning_3d_checkpoint"] = str(reader.path)
+        return checkpoint
+
+    def _restore_rng(self, reader: ShardedCheckpoint) -> None:
+        tensors = reader._file(f"rank{dist.get_rank()}.pt")
+        if "rng/cpu" in tensors:
+            torch.set_rng_state(tensors["rng/cpu"].clone())
+        for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            if f"rng/cuda{i}" in tensors:
+                torch.cuda.set_rng_state(tensors[f"rng/cuda{i}"].clone(), i)
+        if self.tracker is not None:
+            states = {k[len("rng/tracker/") :]: v.clone() for k, v in tensors.items() if k.startswith("rng/tracker/")}
+            if states:
+                self.tracker.set_states(states)

@@ -1,0 +1,345 @@
+"""Sharded checkpoints: one directory, one file per rank, a manifest that says where every piece sits.
+
+Layout of ``step=100.ckpt/``::
+
+    manifest.json   format, step, layout, versions, per-file sizes and CRC32s, and for every
+                    tensor piece: the parameter (or buffer / optimizer-state) name, its dense shape,
+                    how its tensor-parallel slice sits in the dense tensor, and the flat range of
+                    that slice this piece covers
+    meta.pt         everything else Lightning saves (loops, LR schedulers, precision, callbacks)
+    rank<r>.pt      rank r's pieces: plain tensors only (loads with ``weights_only=True``)
+
+Every piece is "a flat range of a tensor-parallel slice of a dense tensor". That one description
+covers plain data parallel (the whole slice), ZeRO-1/2 master and optimizer slices (a range of a
+flat bucket intersected with one parameter), FSDP2 (ZeRO-3) row chunks and pipeline stages (each
+stage writes the layers it holds). Reading assembles the dense tensor of a name from its pieces,
+so a checkpoint loads under any layout, or with no strategy at all. (torch.distributed.checkpoint
+needs rectangular chunks; ZeRO's flat slices cut parameters mid-row, hence this format.)
+
+Writes go to ``<name>.tmp-<id>/``; the manifest is written last and the directory renamed into
+place only after every rank has finished, so a crash mid-save never touches the previous
+checkpoint, and a directory without a manifest is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+import zlib
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_3d.tensor_parallel.spec import assemble_dense
+
+FORMAT = "lightning_3d.sharded/1"
+MANIFEST = "manifest.json"
+META = "meta.pt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class Piece:
+    """A flat range ``[start, end)`` of the tensor-parallel slice ``tp`` of the dense tensor ``name``."""
+
+    kind: str  # "model", or "optim/<index>/<state name>"
+    name: str
+    tp: dict
+    local_shape: list[int]
+    start: int
+    end: int
+    dtype: str
+    key: str = ""
+    file: str = ""
+
+
+@dataclass
+class RankShard:
+    """What one rank writes: its pieces, per-parameter optimizer scalars, and their tensors."""
+
+    rank: int
+    pieces: list[Piece] = field(default_factory=list)
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)  # "optim/<i>" -> name -> {"step": ...}
+
+    def add(self, kind: str, name: str, tp: dict, local_shape: list[int], start: int, end: int, flat: Tensor) -> None:
+        key = f"{len(self.pieces)}"
+        self.pieces.append(Piece(kind, name, tp, list(local_shape), start, end, str(flat.dtype).replace("torch.", ""), key))
+        self.tensors[key] = flat.detach().reshape(-1).to("cpu", copy=True)
+
+
+# -- writing ----------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_file(path: Path, obj: Any) -> dict[str, int]:
+    """``torch.save`` + fsync; returns size and CRC32 for the manifest."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def write_rank_shard(tmp_dir: Path, shard: RankShard) -> dict[str, Any]:
+    """Write a rank's tensors; returns what the manifest needs about them."""
+    name = f"rank{shard.rank}.pt"
+    info = write_file(tmp_dir / name, shard.tensors)
+    for piece in shard.pieces:
+        piece.file = name
+    return {"file": name, "info": info, "pieces": [asdict(p) for p in shard.pieces], "scalars": shard.scalars}
+
+
+def temporary_dir(final: Path, token: str) -> Path:
+    return final.with_name(f"{final.name}.tmp-{token}")
+
+
+def publish(tmp_dir: Path, final: Path, manifest: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote its file: meta, manifest (last), then rename into place."""
+    manifest["files"][META] = write_file(tmp_dir / META, meta)
+    manifest_path = tmp_dir / MANIFEST
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp_dir)
+    replaced = None
+    if final.exists():
+        replaced = final.with_name(f"{final.name}.replaced-{os.getpid()}-{time.time_ns()}")
+        os.replace(final, replaced)
+    os.replace(tmp_dir, final)
+    _fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True) if replaced.is_dir() else replaced.unlink(missing_ok=True)
+
+
+def build_manifest(step: int, layout: dict[str, Any], written: list[dict[str, Any]], ties: list[list[str]]) -> dict[str, Any]:
+    import lightning
+    import lightning_3d
+
+    scalars: dict[str, dict[str, Any]] = defaultdict(dict)
+    for w in written:
+        for kind, by_name in w["scalars"].items():
+            scalars[kind].update(by_name)
+    return {
+        "format": FORMAT,
+        "step": step,
+        "layout": layout,
+        "versions": {"lightning_3d": lightning_3d.__version__, "torch": torch.__version__, "lightning": lightning.__version__},
+        "created": time.time(),
+        "files": {w["file"]: w["info"] for w in written},
+        "pieces": [p for w in written for p in w["pieces"]],
+        "scalars": dict(scalars),
+        "ties": ties,
+    }
+
+
+def keep_last(parent: Path, k: int, protect: Path) -> list[Path]:
+    """Delete complete checkpoints in ``parent`` beyond the newest ``k`` (by step); returns them."""
+    complete = sorted(complete_checkpoints(parent), key=lambda c: (c[1], c[0].stat().st_mtime))
+    removed = []
+    for path, _ in complete[: max(0, len(complete) - k)]:
+        if path != protect:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# -- reading ------------------------------------------------------------------------------------------
+def is_sharded(path: Path) -> bool:
+    return path.is_dir()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is incomplete (no {MANIFEST}): a save was interrupted.")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT}).")
+    return manifest
+
+
+def complete_checkpoints(parent: Path) -> list[tuple[Path, int]]:
+    """(path, step) of every complete sharded checkpoint directly inside ``parent``."""
+    out = []
+    for child in parent.iterdir() if parent.is_dir() else []:
+        if child.is_dir() and ".tmp-" not in child.name and ".replaced-" not in child.name and (child / MANIFEST).is_file():
+            try:
+                out.append((child, int(read_manifest(child)["step"])))
+            except (CheckpointError, ValueError, KeyError, json.JSONDecodeError):
+                continue
+    return out
+
+
+def latest_complete(path: Path) -> Path:
+    """``path`` itself when complete; otherwise the newest complete checkpoint beside it (with a warning)."""
+    if (path / MANIFEST).is_file():
+        return path
+    candidates = complete_checkpoints(path.parent)
+    if not candidates:
+        raise CheckpointError(f"{path} is incomplete (no {MANIFEST}) and no complete checkpoint is beside it.")
+    best = max(candidates, key=lambda c: (c[1], c[0].stat().st_mtime))[0]
+    warnings.warn(f"lightning_3d: {path} is incomplete (an interrupted save); resuming from {best} instead.", stacklevel=2)
+    return best
+
+
+class ShardedCheckpoint:
+    """Read access to a sharded checkpoint: dense tensors by name, assembled from their pieces."""
+
+    def __init__(self, path: Path, weights_only: bool = True) -> None:
+        self.path = path
+        self.manifest = read_manifest(path)
+        self.weights_only = weights_only
+        self._files: dict[str, dict[str, Tensor]] = {}
+        self._by_name: dict[tuple[str, str], list[Piece]] = defaultdict(list)
+        for record in self.manifest["pieces"]:
+            piece = Piece(**record)
+            self._by_name[(piece.kind, piece.name)].append(piece)
+        self.ties: dict[str, list[str]] = {n: group for group in self.manifest.get("ties", []) for n in group}
+
+    def verify(self, name: str) -> None:
+        expected = self.manifest["files"].get(name)
+        path = self.path / name
+        if expected is None or not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing.")
+        if path.stat().st_size != expected["bytes"] or _crc32(path) != expected["crc32"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupt or truncated (size/CRC32 differ from {MANIFEST}); restore it or "
+                f"resume from another checkpoint."
+            )
+
+    def _file(self, name: str) -> dict[str, Tensor]:
+        if name not in self._files:
+            self.verify(name)
+            self._files[name] = torch.load(self.path / name, map_location="cpu", weights_only=True, mmap=True)
+        return self._files[name]
+
+    def meta(self) -> dict[str, Any]:
+        self.verify(META)
+        try:
+            return torch.load(self.path / META, map_location="cpu", weights_only=self.weights_only)
+        except Exception as err:  # noqa: BLE001 - pickle errors come in many types
+            raise CheckpointError(
+                f"{self.path / META} holds objects beyond tensors and plain data and was not loaded "
+                f"(weights_only=True protects against code in checkpoints). If you trust the file, load with "
+                f"trainer.fit(..., weights_only=False). Cause: {err}"
+            ) from err
+
+    def names(self, kind: str) -> list[str]:
+        return sorted({n for k, n in self._by_name if k == kind})
+
+    def canonical(self, kind: str, name: str) -> Optional[str]:
+        """The name ``name``'s data was stored under (a tied weight is stored once, under one name)."""
+        if (kind, name) in self._by_name:
+            return name
+        return next((n for n in self.ties.get(name, []) if (kind, n) in self._by_name), None)
+
+    def dense(self, kind: str, name: str) -> Tensor:
+        """The dense tensor ``name`` (any layout wrote it), assembled from its pieces."""
+        canonical = self.canonical(kind, name)
+        if canonical is None:
+            raise KeyError(f"{name!r} ({kind}) is not in checkpoint {self.path}.")
+        pieces = self._by_name[(kind, canonical)]
+        slices: dict[int, Tensor] = {}
+        covered: dict[int, int] = defaultdict(int)
+        for piece in pieces:
+            rank = piece.tp.get("rank", 0)
+            if rank not in slices:
+                numel = 1
+                for d in piece.local_shape:
+                    numel *= d
+                slices[rank] = torch.empty(numel, dtype=getattr(torch, piece.dtype))
+            slices[rank][piece.start : piece.end].copy_(self._file(piece.file)[piece.key])
+            covered[rank] += piece.end - piece.start
+        local_shape = pieces[0].local_shape
+        numel = slices[next(iter(slices))].numel()
+        incomplete = [r for r, n in covered.items() if n < numel]
+        if incomplete:
+            raise CheckpointError(f"{self.path}: pieces of {name!r} are missing (tensor-parallel ranks {incomplete}).")
+        return assemble_dense({r: t.view(local_shape) for r, t in slices.items()}, pieces[0].tp)
+
+    def scalars(self, kind: str) -> dict[str, dict[str, Any]]:
+        return self.manifest.get("scalars", {}).get(kind, {})
+
+
+class LazyDense(Mapping):
+    """A read-only ``{name: dense tensor}`` view that assembles a tensor only when it is asked for."""
+
+    def __init__(self, checkpoint: ShardedCheckpoint, kind: str) -> None:
+        self.checkpoint, self.kind = checkpoint, kind
+        stored = checkpoint.names(kind)
+        self._keys = stored + [n for n in checkpoint.ties if n not in stored and checkpoint.canonical(kind, n)]
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.checkpoint.dense(self.kind, name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.checkpoint.canonical(self.kind, name) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class LazyOptimizerState(Mapping):
+    """``{param name: {state name: dense tensor or scalar}}`` for optimizer ``index``, assembled lazily."""
+
+    def __init__(self, checkpoint: ShardedCheckpoint, index: int) -> None:
+        self.checkpoint, self.prefix = checkpoint, f"optim/{index}/"
+        names: dict[str, set[str]] = defaultdict(set)
+        for kind, name in checkpoint._by_name:
+            if kind.startswith(self.prefix):
+                names[name].add(kind[len(self.prefix) :])
+        self._states = names
+        self._scalars = checkpoint.scalars(f"optim/{index}")
+        for alias, group in checkpoint.ties.items():
+            canonical = next((n for n in group if n in names), None)
+            if canonical is not None and alias not in names:
+                self._states[alias] = names[canonical]
+                if canonical in self._scalars:
+                    self._scalars[alias] = self._scalars[canonical]
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {k: (torch.tensor(v) if isinstance(v, float) else v) for k, v in self._scalars.get(name, {}).items()}
+        for state in self._states[name]:
+            entry[state] = self.checkpoint.dense(self.prefix + state, name)
+        return entry
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._states
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)

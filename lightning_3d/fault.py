@@ -1,0 +1,112 @@
+"""Never hang: a heartbeat watchdog that ends a rank whose peer died or froze, naming the peer.
+
+Collectives already fail after the strategy's ``timeout``; this covers what they cannot see and
+says who is to blame. Every rank bumps a counter in the rendezvous store (the TCPStore the process
+group was created with) every few seconds from a daemon thread, so a rank busy computing still
+beats; a peer whose counter has not moved for ``timeout`` seconds is dead or frozen. Staleness is
+judged on the local clock only (no clock skew between nodes). If the store itself is unreachable,
+the rank hosting it (global rank 0) is gone. Either way the rank prints which rank failed and
+exits, so the launcher (Lightning, torchrun, SLURM) ends or restarts the job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+PREFIX = "lightning_3d/heartbeat/"
+DONE = "done"
+
+
+def _default_store() -> Optional[dist.Store]:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (single process, custom init): no watchdog
+        return None
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        timeout: timedelta,
+        interval: Optional[float] = None,
+        on_failure: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        self.timeout = timeout.total_seconds()
+        self.interval = interval if interval is not None else max(0.5, min(5.0, self.timeout / 6))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = _default_store()
+        self.on_failure = on_failure or _exit_with
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._beats = 0
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def start(self) -> None:
+        if self.store is None or self.world == 1 or self._thread is not None:
+            return
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="lightning_3d-health", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """A clean end: peers must not take this rank's silence for a failure."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval * 2)
+            self._thread = None
+            try:
+                self.store.set(f"{PREFIX}{self.rank}", DONE)
+            except Exception:  # noqa: BLE001 - the store may already be gone at shutdown
+                pass
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(f"{PREFIX}{self.rank}", str(self._beats))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                self.check()
+            except Exception as err:  # noqa: BLE001 - the store went away with its host
+                if self._stop.is_set():
+                    return
+                self.on_failure(
+                    f"lightning_3d: rank {self.rank} lost the rendezvous store hosted by rank 0 ({err}); rank 0 is dead "
+                    f"or unreachable. Ending rank {self.rank}; restart with ckpt_path='last' to resume."
+                )
+                return
+
+    def check(self) -> None:
+        now = time.monotonic()
+        keys = [f"{PREFIX}{r}" for r in range(self.world)]
+        present = [r for r, k in enumerate(keys) if self.store.check([k])]
+        for r in present:
+            if r == self.rank:
+                continue
+            value = self.store.get(keys[r])
+            if value == DONE.encode():
+                self._seen.pop(r, None)
+                continue
+            count = int(value)
+            last_count, since = self._seen.get(r, (-1, now))
+            if count != last_count:
+                self._seen[r] = (count, now)
+            elif now - since > self.timeout:
+                self.on_failure(
+                    f"lightning_3d: rank {r} has not responded for {now - since:.0f} s (timeout {self.timeout:.0f} s): "
+                    f"it died or froze. Ending rank {self.rank} instead of hanging; restart with ckpt_path='last' to resume."
+                )
+                return
+
+
+def _exit_with(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
