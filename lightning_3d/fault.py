@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 PREFIX = "lightning_3d/heartbeat/"
 DONE = "done"
+FAILED = "failed"
 
 
 def _default_store() -> Optional[dist.Store]:
@@ -57,14 +58,8 @@ class HealthMonitor:
 
     def stop(self) -> None:
         """A clean end: peers must not take this rank's silence for a failure."""
-        self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.interval * 2)
-            self._thread = None
-            try:
-                self.store.set(f"{PREFIX}{self.rank}", DONE)
-            except Exception:  # noqa: BLE001 - the store may already be gone at shutdown
-                pass
+            self.stop_beating(DONE)
 
     def _beat(self) -> None:
         self._beats += 1
@@ -92,7 +87,7 @@ class HealthMonitor:
             if r == self.rank:
                 continue
             value = self.store.get(keys[r])
-            if value == DONE.encode():
+            if value in (DONE.encode(), FAILED.encode()):
                 self._seen.pop(r, None)
                 continue
             count = int(value)
@@ -107,6 +102,57 @@ class HealthMonitor:
                 return
 
 
+    def diagnose(self, wait: Optional[float] = None) -> list[int]:
+        """After an error on this rank: which peers went silent? Marks this rank as failed (not
+        dead), then watches for ``wait`` seconds; a peer that neither beats nor marks itself is dead
+        or frozen."""
+        if self.store is None or self.world == 1:
+            return []
+        self.stop_beating(FAILED)
+        wait = wait if wait is not None else 2.5 * self.interval + 1.0
+        first = self._counters()
+        time.sleep(wait)
+        second = self._counters()
+        return [r for r in range(self.world) if r != self.rank and first.get(r) is not None and first.get(r) == second.get(r)]
+
+    def stop_beating(self, state: str) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval * 2)
+            self._thread = None
+        try:
+            self.store.set(f"{PREFIX}{self.rank}", state)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _counters(self) -> dict[int, Optional[str]]:
+        out: dict[int, Optional[str]] = {}
+        for r in range(self.world):
+            try:
+                key = f"{PREFIX}{r}"
+                value = self.store.get(key).decode() if self.store.check([key]) else None
+            except Exception:  # noqa: BLE001 - the store host is gone
+                value = None
+            out[r] = None if value in (DONE, FAILED) else value
+        return out
+
+
 def _exit_with(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def elastic_attempt_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun restarts, a rendezvous store private to this attempt.
+
+    torchrun's agent keeps one store across restarts; a restarted process group would read the
+    previous attempt's peer addresses from it and fail to connect. Prefixing every key with the
+    restart count keeps attempts apart. ``None`` when not running under torchrun's agent store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"lightning_3d/attempt_{attempt}/", client)

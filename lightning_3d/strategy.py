@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -54,7 +55,7 @@ from lightning_3d.checkpoint.consolidated import (
 )
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
 from lightning_3d.collectives import broadcast_module_state
-from lightning_3d.fault import HealthMonitor
+from lightning_3d.fault import HealthMonitor, elastic_attempt_store
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.pipeline.sequences import find_sequences
@@ -271,6 +272,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self.config.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        store = elastic_attempt_store(self.config.timeout)
+        if store is not None and not _distributed_is_initialized():
+            kwargs["store"] = store
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
         self._rng_tracker = RNGStatesTracker(self.root_device.type)
@@ -605,6 +609,19 @@ class ThreeDParallelStrategy(ParallelStrategy):
         return box[0]
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the rank that failed: a collective error on this rank usually means a peer died."""
+        if self._monitor is None or self._monitor.world == 1:
+            return
+        silent = self._monitor.diagnose()
+        if silent:
+            note = (
+                f"lightning_3d: rank(s) {silent} stopped responding (dead or frozen) -- the likely cause of this error "
+                f"on rank {self._monitor.rank}. Restart with ckpt_path='last' to resume from the last complete checkpoint."
+            )
+            print(note, file=sys.stderr, flush=True)
+            exception.args = (f"{exception.args[0] if exception.args else exception}\n{note}", *exception.args[1:])
+
     def on_train_end(self) -> None:
         if self._checkpointer is not None:
             self._checkpointer.finalize()  # an asynchronous save is committed before fit returns

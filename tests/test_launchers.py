@@ -112,7 +112,7 @@ def test_hydra_recipe_with_overrides(tmp_path, overrides, layout):
     assert summary["layout"] == layout
     assert summary["train_loss"] < 4.5 and summary["val_loss"] < 4.5  # ln(256) = 5.55 at the start
     assert summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
-    assert Path(summary["checkpoint"]).is_file()
+    assert (Path(summary["checkpoint"]) / "manifest.json").is_file()  # a complete sharded checkpoint
     png = Path(summary["loss_curve"])
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_dir / "summary.json").read_text()) == summary
@@ -154,7 +154,7 @@ def test_lightning_cli_fit(tmp_path, strategy_args):
     _run([str(BIN / "lightning-3d"), "fit", *strategy_args, *CLI_COMMON, *CLI_MODEL], cwd=tmp_path)
     saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
     assert "3d" in str(saved["trainer"]["strategy"]) or "ThreeDParallelStrategy" in str(saved["trainer"]["strategy"])
-    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=3.ckpt").is_file()
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=3.ckpt" / "manifest.json").is_file()
 
 
 def test_cli_prepare_then_fit_on_the_token_file(tmp_path):

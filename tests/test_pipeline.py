@@ -143,7 +143,10 @@ def llama_run(**strategy: Any) -> list[float]:
 def one_step_weights(**strategy: Any) -> dict[str, Any]:
     """Dense weights before and after one optimizer step (gathered over every stage)."""
     L.seed_everything(0)
-    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, strategy=ThreeDParallelStrategy(**strategy))
+    # the consolidated format's lightning_module_state_dict() gathers dense weights from every stage
+    trainer = quiet_trainer(
+        max_steps=1, limit_val_batches=0, strategy=ThreeDParallelStrategy(checkpoint_format="consolidated", **strategy)
+    )
     model = tiny_gpt(lr=3e-3, **GPT4)
     before: dict[str, torch.Tensor] = {}
 
@@ -205,7 +208,11 @@ def resume(tmp: str, **strategy: Any) -> dict[str, Any]:
 
 
 def load_in_one_process(path: str) -> dict[str, Any]:
-    module = GPTModule.load_from_checkpoint(path, weights_only=True)
+    """No strategy: consolidate the sharded checkpoint, then load it like any Lightning checkpoint."""
+    from lightning_3d.checkpoint.consolidate import consolidate
+
+    out = consolidate(path, path + ".consolidated.ckpt")["out"]
+    module = GPTModule.load_from_checkpoint(out, weights_only=True)
     return {"keys": len(module.state_dict())}
 
 

@@ -207,9 +207,11 @@ def tp_checkpoint(tmp: str) -> dict[str, Any]:
 
 
 def load_tp2_checkpoint_in_one_process(path: str) -> dict[str, Any]:
-    """A tp=2 checkpoint holds dense tensors: a plain module, no strategy, loads it."""
+    """A tp=2 checkpoint, consolidated, loads into a plain module with no strategy; optimizer state too."""
+    from lightning_3d.checkpoint.consolidate import consolidate
     from lightning_3d.models import GPTModule
 
+    path = consolidate(path, path + ".consolidated.ckpt")["out"]
     module = GPTModule.load_from_checkpoint(path, weights_only=True)
     checkpoint = torch.load(path, weights_only=True)
     exp_avg_shapes = sorted(tuple(s["exp_avg"].shape) for s in checkpoint["optimizer_states"][0]["state"].values())
