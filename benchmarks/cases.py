@@ -317,3 +317,10 @@ def recompute_overhead(steps: int, repeats: int) -> dict[str, Any]:
     out["selective_step_time_ratio"] = _ratio(result["selective"]["step_time_s"], result["none"]["step_time_s"])
     out["full_step_time_ratio"] = _ratio(result["full"]["step_time_s"], result["none"]["step_time_s"])
     return out
+
+
+@case
+def checkpoint_8rank(steps: int, repeats: int) -> dict[str, Any]:
+    from checkpoint_cases import checkpoint_cost
+
+    return checkpoint_cost(steps, repeats)
