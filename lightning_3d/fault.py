@@ -11,6 +11,7 @@ exits, so the launcher (Lightning, torchrun, SLURM) ends or restarts the job.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -156,3 +157,33 @@ def elastic_attempt_store(timeout: timedelta) -> Optional[dist.Store]:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout
     )
     return dist.PrefixStore(f"lightning_3d/attempt_{attempt}/", client)
+
+
+_exit_cleanup = {"registered": False, "failed": False}
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the process group while the interpreter is still whole.
+
+    Without it, gloo's worker threads may still hold finished work (tensors with Python
+    references) when the interpreter finalizes, and the process dies with SIGABRT
+    ("terminate called without an active exception") after a successful run. Skipped after a
+    failure: destroying a group whose peers are stuck in a collective can itself block."""
+    if _exit_cleanup["registered"]:
+        return
+    _exit_cleanup["registered"] = True
+
+    def _cleanup() -> None:
+        if not _exit_cleanup["failed"] and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+
+    atexit.register(_cleanup)
+
+
+def mark_failed() -> None:
+    """Record that this process is ending on an error, so exit cleanup leaves the group alone."""
+    _exit_cleanup["failed"] = True
+

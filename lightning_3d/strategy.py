@@ -55,7 +55,7 @@ from lightning_3d.checkpoint.consolidated import (
 )
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
 from lightning_3d.collectives import broadcast_module_state
-from lightning_3d.fault import HealthMonitor, elastic_attempt_store
+from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.pipeline.sequences import find_sequences
@@ -282,6 +282,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._topology.mesh
         log.info("lightning_3d: %r", self._topology)
+        destroy_process_group_at_exit()
         if self._health_check and self._monitor is None:
             self._monitor = HealthMonitor(self.config.timeout)
             self._monitor.start()
@@ -611,6 +612,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
     # -- lifecycle -----------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that failed: a collective error on this rank usually means a peer died."""
+        mark_failed()
         if self._monitor is None or self._monitor.world == 1:
             return
         silent = self._monitor.diagnose()
