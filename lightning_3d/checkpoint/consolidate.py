@@ -70,6 +70,29 @@ def _strip(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def _require_gpt2_architecture(cfg: Any) -> None:
+    """GPT-2 has learned positions, a GELU MLP, LayerNorm and one key/value head per query head;
+    a GPTConfig with Llama-style options has weights GPT-2 cannot hold (or would silently compute
+    differently with), so refuse rather than write a model that loads but is wrong. ``bias=False``
+    (zero biases) and untied heads (``tie_word_embeddings=False``) are representable and exported."""
+    differences = [
+        f"{name}={value!r} (GPT-2: {gpt2!r})"
+        for name, value, gpt2 in (
+            ("position", cfg.position, "learned"),
+            ("mlp", cfg.mlp, "gelu"),
+            ("norm", cfg.norm, "layernorm"),
+            ("n_kv_head", cfg.kv_heads, cfg.n_head),
+        )
+        if value != gpt2
+    ]
+    if differences:
+        raise ValueError(
+            f"this GPT is not GPT-2 architecture ({', '.join(differences)}), so it cannot be exported as a "
+            f"Hugging Face GPT2LMHeadModel; use `consolidate` (lightning-3d consolidate CKPT_DIR OUT) for a dense "
+            f"checkpoint that GPTModule.load_from_checkpoint loads."
+        )
+
+
 def gpt_to_gpt2(state: dict[str, Tensor], config: dict[str, Any]) -> tuple[Any, dict[str, Tensor]]:
     """Our GPT's weights as a ``transformers`` GPT2LMHeadModel (same architecture: pre-norm blocks,
     tanh-GELU MLP, learned positions, tied head)."""
@@ -78,6 +101,7 @@ def gpt_to_gpt2(state: dict[str, Tensor], config: dict[str, Any]) -> tuple[Any, 
     from lightning_3d.models.gpt import GPTConfig
 
     cfg = GPTConfig(**config)
+    _require_gpt2_architecture(cfg)
     hf = GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
         n_inner=cfg.ffn_dim, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,

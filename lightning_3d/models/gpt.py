@@ -1,10 +1,13 @@
-"""A plain decoder-only transformer (GPT-2 style), free of any parallelism.
+"""A plain decoder-only transformer (GPT-2 style by default, Llama style by options), free of any
+parallelism.
 
 Parallelism is applied from outside (tensor-parallel plans, pipeline splits, ZeRO), so this
 file reads like a textbook GPT. Two choices keep that possible:
 
-* Attention infers its local head count from the projection width (``-1`` in ``view``), so a
-  tensor-parallel plan that shards the q/k/v projections needs no change here.
+* Attention infers its local head counts from the projection widths (``-1`` in ``view``), so a
+  tensor-parallel plan that shards the q/k/v projections needs no change here -- with grouped-query
+  attention too: a rank holding ``n_head/tp`` query and ``n_kv_head/tp`` key/value heads keeps the
+  same grouping, which SDPA's ``enable_gqa`` applies.
 * The loss is an attribute (``loss_fn``) so a plan can swap in a vocab-parallel cross-entropy
   without the model knowing.
 """
@@ -22,9 +25,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+MLPS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+
+
 @dataclass
 class GPTConfig:
-    """Model dimensions. ``ffn_hidden=None`` means ``4 * n_embd``."""
+    """Model dimensions and architecture options. ``ffn_hidden=None`` means ``4 * n_embd``.
+
+    The defaults describe GPT-2. Llama-style models set ``n_kv_head`` (grouped-query attention),
+    ``mlp="swiglu"`` (gate/up/down projections), ``norm="rmsnorm"``, ``position="rope"`` (rotary
+    embeddings on q and k, no learned position table), usually with ``bias=False`` and
+    ``tie_embeddings=False``.
+    """
 
     vocab_size: int = 256
     block_size: int = 128
@@ -35,6 +49,11 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
+    n_kv_head: Optional[int] = None
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    position: str = "learned"
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -45,10 +64,34 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout!r} must be in [0, 1).")
+        if self.n_kv_head is not None:
+            if not isinstance(self.n_kv_head, int) or self.n_kv_head < 1:
+                raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head!r} is invalid: it must be a positive integer or None (= n_head).")
+            if self.n_head % self.n_kv_head:
+                raise ValueError(
+                    f"GPTConfig: n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}; "
+                    f"grouped-query attention shares each key/value head among n_head/n_kv_head query heads."
+                )
+        for name, allowed in (("mlp", MLPS), ("norm", NORMS), ("position", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} is unknown: choose one of {allowed}.")
+        if self.position == "rope":
+            if self.head_dim % 2:
+                raise ValueError(
+                    f"GPTConfig: position='rope' rotates pairs of features, so head_dim=n_embd/n_head="
+                    f"{self.head_dim} must be even."
+                )
+            if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+                raise ValueError(f"GPTConfig.rope_theta={self.rope_theta!r} must be a positive number.")
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head``, or ``n_head`` (plain multi-head attention)."""
+        return self.n_kv_head or self.n_head
 
     @property
     def ffn_dim(self) -> int:
@@ -57,33 +100,66 @@ class GPTConfig:
     def num_parameters(self) -> int:
         """Parameter count, counting a tied embedding once."""
         e, v, f, layers = self.n_embd, self.vocab_size, self.ffn_dim, self.n_layer
-        norm = e * (2 if self.bias else 1)
-        attention = 4 * e * e + (4 * e if self.bias else 0)
-        mlp = 2 * e * f + (f + e if self.bias else 0)
+        kv = self.kv_heads * self.head_dim
+        norm = e * (2 if self.bias and self.norm == "layernorm" else 1)
+        attention = 2 * e * e + 2 * e * kv + (2 * e + 2 * kv if self.bias else 0)
+        if self.mlp == "swiglu":
+            mlp = 3 * e * f + (2 * f + e if self.bias else 0)
+        else:
+            mlp = 2 * e * f + (f + e if self.bias else 0)
+        positions = self.block_size * e if self.position == "learned" else 0
         head = 0 if self.tie_embeddings else v * e
-        return v * e + self.block_size * e + layers * (2 * norm + attention + mlp) + norm + head
+        return v * e + positions + layers * (2 * norm + attention + mlp) + norm + head
 
 
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask: the part selective recompute re-runs, and
-    the region whose dropout a tensor-parallel plan draws from per-rank randomness."""
+    the region whose dropout a tensor-parallel plan draws from per-rank randomness.
+
+    ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention): each key/value head
+    serves ``q_heads / kv_heads`` consecutive query heads, the same on every tensor-parallel rank.
+    """
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1]
+        )
+
+
+def rotary_cos_sin(t: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos/sin tables ``(T, head_dim)`` for positions ``0..T-1``, in fp32.
+
+    Computed per call rather than held in buffers: buffers would be cast to bf16 with the
+    parameters (losing precision at long range) and sharded or moved by ZeRO-3; the table is tiny.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``(B, heads, T, head_dim)`` by position, in the "rotate half" layout (GPT-NeoX,
+    Hugging Face Llama): feature ``i`` pairs with ``i + head_dim/2``."""
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        e = config.n_embd
+        e, kv = config.n_embd, config.kv_heads * config.head_dim
         self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta if config.position == "rope" else None
         self.q_proj = nn.Linear(e, e, bias=config.bias)
-        self.k_proj = nn.Linear(e, e, bias=config.bias)
-        self.v_proj = nn.Linear(e, e, bias=config.bias)
+        self.k_proj = nn.Linear(e, kv, bias=config.bias)
+        self.v_proj = nn.Linear(e, kv, bias=config.bias)
         self.core = AttentionCore(config.dropout)
         self.o_proj = nn.Linear(e, e, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -94,6 +170,10 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.rope_theta is not None:
+            # t is the full sequence here: sequence parallel gathers it before the q/k projections.
+            cos, sin = rotary_cos_sin(t, self.head_dim, self.rope_theta, x.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.o_proj(y))
 
@@ -109,15 +189,36 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP: ``down(silu(gate(x)) * up(x))``. Gate and up are separate projections (not one
+    fused matrix) so a column-parallel split keeps matching gate and up columns on each rank."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
+        self.up_proj = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
+        self.down_proj = nn.Linear(config.ffn_dim, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=1e-5)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_2 = make_norm(config)
+        self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -125,16 +226,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, ``n_layer`` blocks, final norm, LM head (tied by default)."""
+    """Token (+ learned position) embeddings, ``n_layer`` blocks, final norm, LM head (tied by default)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        if config.position == "learned":
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -146,24 +248,27 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("o_proj", "mlp.proj")) else 0.02
+                std = residual_std if name.endswith(("o_proj", "mlp.proj", "mlp.down_proj")) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
-                if module.bias is not None:
+                if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        """Token + position embeddings: ``(B, T)`` ids -> ``(B, T, n_embd)``."""
+        """Token (+ learned position) embeddings: ``(B, T)`` ids -> ``(B, T, n_embd)``. With rope,
+        positions enter in attention instead."""
         t = input_ids.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}.")
-        pos = torch.arange(t, device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(pos))
+        x = self.wte(input_ids)
+        if self.config.position == "learned":
+            x = x + self.wpe(torch.arange(t, device=input_ids.device))
+        return self.drop(x)
 
     def head(self, x: Tensor, targets: Optional[Tensor] = None) -> Tensor:
         """Final norm and LM head: logits, or the mean cross-entropy when ``targets`` is given."""

@@ -69,7 +69,8 @@ def gpt_sequence(model: nn.Module) -> LayerSequence:
     return LayerSequence(
         blocks=model.blocks,
         blocks_name="blocks",
-        embed_modules=("wte", "wpe", "drop"),
+        # With rotary positions there is no wpe: positions enter inside each block's attention.
+        embed_modules=("wte", "wpe", "drop") if model.config.position == "learned" else ("wte", "drop"),
         head_modules=("ln_f", "lm_head"),
         inputs=inputs,
         embed=lambda batch: model.embed(batch["input_ids"]),

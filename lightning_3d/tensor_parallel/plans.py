@@ -295,20 +295,35 @@ def _gather_logits_hook(vocab_size: int, ctx: PlanContext) -> Callable[..., Any]
 
 
 def gpt_plan(model: nn.Module) -> TensorParallelPlan:
+    """Megatron-style plan for the reference GPT, in its GPT-2 or Llama-style variants.
+
+    q/k/v are column-parallel and o is row-parallel, so each rank attends with whole heads: with
+    grouped-query attention a rank holds ``n_head/tp`` query heads and ``n_kv_head/tp`` key/value
+    heads, and because heads are split in order, its query heads are exactly the ones its key/value
+    heads serve. SwiGLU's gate and up are column-parallel (matching columns on a rank, so the
+    elementwise product stays local) and down is row-parallel: one all-reduce per MLP, as for GELU.
+    RMSNorm is marked for sequence parallel like LayerNorm (its weight sees a sequence shard).
+    """
     config = model.config
 
     def check(m: nn.Module, world: int) -> None:
         _require_divisible({"GPTConfig.n_head": config.n_head, "GPTConfig.ffn_dim": config.ffn_dim}, world)
+        if config.kv_heads % world:
+            raise ValueError(
+                f"GPTConfig.n_kv_head={config.kv_heads} is not divisible by tensor_parallel={world}: each tensor-parallel "
+                f"rank must hold whole key/value heads (n_kv_head/tp of them); pick a tensor_parallel that divides "
+                f"{config.kv_heads}, or more key/value heads."
+            )
 
     def finalize(m: nn.Module, ctx: PlanContext) -> None:
         m.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp_group=ctx.tp_group, vocab_size=config.vocab_size)
         m.register_forward_hook(_gather_logits_hook(config.vocab_size, ctx))
 
-    return TensorParallelPlan(
-        name="GPT",
-        styles={
-            "wte": "vocab",
-            "wpe": "sequence_split",
+    styles: dict[str, StyleSpec] = {"wte": "vocab"}
+    if config.position == "learned":
+        styles["wpe"] = "sequence_split"
+    styles.update(
+        {
             "drop": "sequence_rng",
             "blocks.*.ln_1": "sequence_norm",
             "blocks.*.attn": "prepare_input",
@@ -319,15 +334,21 @@ def gpt_plan(model: nn.Module) -> TensorParallelPlan:
             "blocks.*.attn.o_proj": "row",
             "blocks.*.attn.resid_dropout": "sequence_rng",
             "blocks.*.ln_2": "sequence_norm",
-            "blocks.*.mlp.fc": "column",
-            "blocks.*.mlp.proj": "row",
-            "blocks.*.mlp.dropout": "sequence_rng",
-            "ln_f": "sequence_norm",
-            "lm_head": "vocab_head",
-        },
-        check=check,
-        finalize=finalize,
+        }
     )
+    if config.mlp == "swiglu":
+        styles.update(
+            {
+                "blocks.*.mlp": "prepare_input",
+                "blocks.*.mlp.gate_proj": "column_prepared",
+                "blocks.*.mlp.up_proj": "column_prepared",
+                "blocks.*.mlp.down_proj": "row",
+            }
+        )
+    else:
+        styles.update({"blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"})
+    styles.update({"blocks.*.mlp.dropout": "sequence_rng", "ln_f": "sequence_norm", "lm_head": "vocab_head"})
+    return TensorParallelPlan(name="GPT", styles=styles, check=check, finalize=finalize)
 
 
 def _hf_finalize(vocab_size: int) -> Callable[[nn.Module, PlanContext], None]:
