@@ -19,10 +19,11 @@ from typing import Optional
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-USAGE = """usage: lightning-3d {fit,validate,test,predict,prepare,consolidate,export} ...
+USAGE = """usage: lightning-3d {fit,validate,test,predict,plan,prepare,consolidate,export} ...
 
   fit, validate, test, predict   LightningCLI over GPTModule + TextDataModule
                                  (lightning-3d fit --help lists every flag)
+  plan [OVERRIDES] [--layout ...]  rank 3D layouts for a model on a cluster (docs/planner.md)
   prepare OUT INPUT [INPUT ...]  tokenize text files as bytes into OUT (.bin + .bin.json)
   consolidate CKPT_DIR OUT       a sharded checkpoint as one dense .pt/.ckpt/.safetensors file
   export CKPT_DIR OUT_DIR        a Hugging Face model directory (from_pretrained-loadable)
@@ -30,6 +31,7 @@ USAGE = """usage: lightning-3d {fit,validate,test,predict,prepare,consolidate,ex
 examples:
   lightning-3d fit --trainer.strategy=3d --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=50
   lightning-3d fit --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.data_parallel=2
+  lightning-3d plan model=bloom_176b cluster=jean_zay_bloom data.global_batch_size=2048
   lightning-3d prepare data/corpus.bin ~/texts && lightning-3d fit --data.source=data/corpus.bin
 """
 
@@ -74,6 +76,12 @@ def export_main(argv: list[str]) -> int:
     return 0
 
 
+def plan_main(argv: list[str]) -> int:
+    from lightning_3d.planner.cli import plan_main as run
+
+    return run(argv)
+
+
 def lightning_main(argv: list[str]) -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -95,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    commands = {"prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
+    commands = {"plan": plan_main, "prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
     if argv[0] in commands:
         return commands[argv[0]](argv[1:])
     if argv[0] in LIGHTNING_SUBCOMMANDS:

@@ -22,6 +22,20 @@ from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.strategy import ThreeDParallelStrategy
 
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(overrides: list[str], config_dir: Optional[Path] = None) -> DictConfig:
+    """The config ``recipes/train.py`` would run with these overrides, without running it."""
+    from hydra import compose, initialize_config_dir
+
+    directory = Path(config_dir or CONF_DIR).resolve()
+    if not (directory / "config.yaml").is_file():
+        raise FileNotFoundError(f"no Hydra config at {directory}/config.yaml; pass --config-dir <repo>/conf.")
+    with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
 def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 

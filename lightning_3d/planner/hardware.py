@@ -1,0 +1,96 @@
+"""The typed schema of ``conf/cluster/*.yaml`` (and the ``conf/device/*.yaml`` they include).
+
+A cluster file is what a Trainer needs (accelerator, devices per node, nodes, launcher) plus
+what the planner needs: the device model (memory, peak dense 16-bit FLOP/s, HBM bandwidth and the
+calibrated fraction of peak its GEMMs reach) and the links (intra-node per device, inter-node
+per node), host RAM and NVMe per node. Units are decimal: GB, GB/s, TFLOP/s.
+
+Loading goes through :func:`OmegaConf.structured`, so a missing, misspelled or mistyped key is
+an error that names the key rather than a wrong plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+LAUNCHERS = ("local", "torchrun", "slurm")
+
+
+@dataclass
+class DeviceSpec:
+    """One accelerator (or, for ``local_cpu``, one CPU process's share of the machine)."""
+
+    model: str = "???"
+    memory_gb: float = 0.0  # usable device memory (per process for CPU "devices")
+    peak_tflops: float = 0.0  # dense bf16/fp16 tensor-core peak
+    memory_bandwidth_gb_per_s: float = 0.0  # HBM (or DRAM share for CPU)
+    gemm_efficiency: float = 0.7  # calibrated fraction of peak that large GEMMs reach in training
+    reserved_gb: float = 0.0  # runtime context, communicator buffers, allocator slack
+
+    def validate(self) -> None:
+        for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gb_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"device.{name}={getattr(self, name)!r} must be positive (device model {self.model!r}).")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ValueError(f"device.gemm_efficiency={self.gemm_efficiency!r} must be in (0, 1].")
+
+
+@dataclass
+class ClusterSpec:
+    """A set of identical nodes. Bandwidths are per direction."""
+
+    name: str = "???"
+    accelerator: str = "gpu"
+    devices_per_node: int = 8
+    num_nodes: int = 1
+    launcher: str = "local"
+    device: DeviceSpec = field(default_factory=DeviceSpec)
+    intra_node_gb_per_s: float = 0.0  # per device, e.g. NVLink
+    inter_node_gb_per_s: float = 0.0  # per node, all network adapters together (0: single node)
+    cpu_ram_gb: float = 0.0  # per node
+    host_memory_gb_per_s: float = 100.0  # per node, what host-side (offloaded) Adam streams through
+    nvme_gb: float = 0.0  # per node, node-local (0: none)
+    nvme_gb_per_s: float = 0.0  # per node
+    pcie_gb_per_s: float = 0.0  # host <-> device, per device (0: the device is the host)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    def validate(self) -> None:
+        if self.devices_per_node < 1 or self.num_nodes < 1:
+            raise ValueError(
+                f"cluster {self.name!r}: devices_per_node={self.devices_per_node} and num_nodes={self.num_nodes} must be "
+                f">= 1 (the planner needs a concrete count; -1 'all visible' is only for running)."
+            )
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"cluster {self.name!r}: launcher={self.launcher!r}; choose one of {LAUNCHERS}.")
+        if self.intra_node_gb_per_s <= 0:
+            raise ValueError(f"cluster {self.name!r}: intra_node_gb_per_s must be positive.")
+        if self.num_nodes > 1 and self.inter_node_gb_per_s <= 0:
+            raise ValueError(f"cluster {self.name!r}: {self.num_nodes} nodes need inter_node_gb_per_s > 0.")
+        self.device.validate()
+
+
+def load_cluster(config: Any) -> ClusterSpec:
+    """A :class:`ClusterSpec` from a composed ``cfg.cluster`` node or a plain dict."""
+    node = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
+    merged = OmegaConf.merge(OmegaConf.structured(ClusterSpec), node)
+    spec = OmegaConf.to_object(merged)
+    assert isinstance(spec, ClusterSpec)
+    spec.validate()
+    return spec
+
+
+def with_nodes(cluster: ClusterSpec, num_nodes: Optional[int]) -> ClusterSpec:
+    """The same cluster with another node count (``--nodes``)."""
+    if num_nodes is None:
+        return cluster
+    merged = OmegaConf.merge(OmegaConf.structured(cluster), {"num_nodes": num_nodes})
+    spec = OmegaConf.to_object(merged)
+    assert isinstance(spec, ClusterSpec)
+    spec.validate()
+    return spec

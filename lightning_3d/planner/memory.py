@@ -1,0 +1,122 @@
+"""Per-device memory: model states by ZeRO stage, activations by Korthikanti et al. 2022.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", section 3/5): with mixed precision and Adam, a
+parameter costs 2 bytes (16-bit weight) + 2 (16-bit gradient) + K = 12 (fp32 master, momentum,
+variance). On ``N`` data-parallel ranks:
+
+* stage 0: (2 + 2 + K) psi     stage 1: (2 + 2) psi + K psi / N
+* stage 2: 2 psi + (2 + K) psi / N     stage 3: (2 + 2 + K) psi / N
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4), bytes per transformer layer for micro-batch ``b``, sequence ``s``, hidden
+``h``, ``a`` heads, tensor parallel ``t``, 16-bit activations and 1-byte dropout masks:
+
+* no parallelism: s b h (34 + 5 a s / h)
+* tensor parallel: s b h (10 + 24 / t + 5 a s / (h t))
+* tensor + sequence parallel: s b h / t (34 + 5 a s / h)
+* selective recompute (attention core re-run) drops the 5 a s / h term
+* full recompute keeps only each layer's input: 2 s b h (/ t with sequence parallel).
+
+The formula is written here per stored tensor, so that it also covers what the paper fixes:
+the activation dtype (``c`` bytes), dropout off (no masks, no dropout outputs), grouped-query
+attention (narrower k, v), SwiGLU (three ffn tensors) and fused ("flash") attention, which keeps
+its output and a log-sum-exp per row instead of the ``a s^2`` score tensors. With c = 2, dropout
+on, multi-head attention, a 4h GELU MLP and unfused attention it is exactly the paper's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_3d.planner.model_shape import ModelShape
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def zero_model_state_bytes(
+    psi: float, stage: int, n: int, k: float = 12.0, c: float = 2.0, grad_bytes: float | None = None
+) -> dict[str, float]:
+    """Parameters, gradients and optimizer states per rank for ``psi`` parameters: the ZeRO paper's
+    formulas with ``c``-byte weights, ``grad_bytes``-byte gradients (default ``c``) and ``k`` bytes
+    of optimizer state. (Megatron-LM keeps an fp32 gradient copy too: ``grad_bytes = c + 4``.)"""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={stage!r}: choose one of {ZERO_STAGES}.")
+    g = c if grad_bytes is None else grad_bytes
+    return {
+        "params": c * psi / (n if stage == 3 else 1),
+        "grads": g * psi / (n if stage >= 2 else 1),
+        "optimizer": k * psi / (n if stage >= 1 else 1),
+    }
+
+
+@dataclass(frozen=True)
+class ActivationOptions:
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    flash_attention: bool = False
+    bytes_per_element: float = 2.0
+
+
+def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: ActivationOptions) -> float:
+    """Bytes one layer keeps for backward for one micro-batch (what is alive between its forward
+    and its backward); under full recompute, only its input."""
+    s, b, h, t = model.seq_len, micro_batch, model.hidden, opts.tp
+    c = opts.bytes_per_element
+    sbh = s * b * h
+    if opts.recompute == "full":
+        return c * sbh / (t if opts.sequence_parallel else 1)
+    mask = 1.0 if model.dropout else 0.0
+    kv = model.kv_width / h  # k and v widths relative to h
+    ffn = model.ffn / h
+    # Tensors every tp rank holds whole (split along the sequence under sequence parallel):
+    # the two layer-norm inputs, the q/k/v input, the MLP input, two dropout masks.
+    replicated = sbh * (2 * c + c + c + 2 * mask)
+    # Tensors split by tensor parallelism: q, k, v; the output projection's input; the MLP
+    # activations (GELU input and output, or SwiGLU's gate, up and product).
+    sharded = sbh * (c * (1 + 2 * kv) + c + c * ffn * (3 if model.gated_mlp else 2))
+    # The attention core: the a s^2 scores (softmax output, dropout mask and output), or for fused
+    # attention its output and one fp32 log-sum-exp per (head, position).
+    if opts.flash_attention:
+        core = c * sbh + 4.0 * model.n_head * s * b
+    else:
+        core = model.n_head * s * s * b * (c + (mask + c if model.dropout else 0.0))
+    if opts.recompute == "selective":
+        core = 0.0
+    if opts.sequence_parallel:
+        return (replicated + sharded + core) / t
+    return replicated + (sharded + core) / t
+
+
+def activations_in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """How many micro-batches' worth of a stage's layer activations the first stage holds at its
+    peak, as a multiple of (its layers x one micro-batch). 1F1B: ``pp`` (Narayanan et al. 2021);
+    interleaved: ``pp`` (1 + (pp - 1) / (pp v)) (Korthikanti et al. eq. 5); GPipe: all ``m``."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(micro_batches)
+    warm = float(min(pp, micro_batches))
+    if schedule == "interleaved_1f1b" and virtual_stages > 1:
+        return warm * (1.0 + (pp - 1) / (pp * virtual_stages))
+    return warm
+
+
+def activation_bytes(
+    model: ModelShape,
+    micro_batch: int,
+    layers_on_stage: int,
+    in_flight: float,
+    opts: ActivationOptions,
+    head_on_stage: bool,
+) -> float:
+    """Peak activation bytes on one pipeline stage."""
+    stored = layers_on_stage * in_flight * layer_activation_bytes(model, micro_batch, opts)
+    if opts.recompute == "full":
+        # Backward re-runs one layer at a time: its full activations are alive on top of the inputs.
+        working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element)
+        stored += layer_activation_bytes(model, micro_batch, working)
+    if head_on_stage:
+        # Logits and their gradient, split over the vocabulary by tensor parallelism.
+        stored += 2 * opts.bytes_per_element * model.seq_len * micro_batch * model.vocab / opts.tp
+    return stored

@@ -1,0 +1,109 @@
+"""What the planner needs to know about a decoder-only transformer: sizes, parameters, FLOPs.
+
+Built from the same keys as :class:`~lightning_3d.models.gpt.GPTConfig` (``conf/model/*.yaml``),
+so a recipe's model and the planner's model are one description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layer: int
+    hidden: int
+    n_head: int
+    n_kv_head: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    gated_mlp: bool = False  # SwiGLU: three ffn matrices instead of two
+    tied_embeddings: bool = True
+    learned_positions: bool = True
+    bias: bool = True
+    dropout: bool = False  # dropout > 0: masks are kept for backward
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> "ModelShape":
+        """From ``GPTConfig`` fields; ``seq_len`` defaults to the model's ``block_size``."""
+        hidden, n_head = int(config["n_embd"]), int(config["n_head"])
+        if hidden % n_head:
+            raise ValueError(f"model: n_embd={hidden} is not divisible by n_head={n_head}.")
+        n_kv = int(config.get("n_kv_head") or n_head)
+        if n_head % n_kv:
+            raise ValueError(f"model: n_kv_head={n_kv} must divide n_head={n_head}.")
+        return cls(
+            n_layer=int(config["n_layer"]),
+            hidden=hidden,
+            n_head=n_head,
+            n_kv_head=n_kv,
+            ffn=int(config.get("ffn_hidden") or 4 * hidden),
+            vocab=int(config["vocab_size"]),
+            seq_len=int(seq_len or config["block_size"]),
+            gated_mlp=config.get("mlp", "gelu") == "swiglu",
+            tied_embeddings=bool(config.get("tie_embeddings", True)),
+            learned_positions=config.get("position", "learned") == "learned",
+            bias=bool(config.get("bias", True)),
+            dropout=float(config.get("dropout", 0.0) or 0.0) > 0,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_head
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_head * self.head_dim
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights that take part in GEMMs: q, o (h x h), k, v (h x kv), the MLP matrices."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_width + (3 if self.gated_mlp else 2) * h * self.ffn
+
+    @property
+    def layer_sharded_params(self) -> int:
+        """A layer's parameters that tensor parallelism splits (matrices and their biases)."""
+        biases = (self.hidden + 2 * self.kv_width + self.ffn) if self.bias else 0
+        return self.layer_matmul_params + biases
+
+    @property
+    def layer_replicated_params(self) -> int:
+        """Norm weights (and output biases) every tensor-parallel rank keeps whole."""
+        norms = 2 * self.hidden * (2 if self.bias else 1)
+        return norms + (2 * self.hidden if self.bias else 0)
+
+    @property
+    def layer_params(self) -> int:
+        return self.layer_sharded_params + self.layer_replicated_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+
+    @property
+    def head_params(self) -> int:
+        """Final norm, plus the LM head matrix when it is not the tied embedding."""
+        return self.hidden * (2 if self.bias else 1) + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    @property
+    def num_parameters(self) -> int:
+        return self.embedding_params + self.n_layer * self.layer_params + self.head_params
+
+    # FLOPs per token, forward (2 per multiply-add), counted as Narayanan et al. 2021 count them:
+    # the attention score and value products over the full sequence (no causal halving).
+    def layer_forward_flops_per_token(self) -> float:
+        return 2.0 * self.layer_matmul_params + 4.0 * self.seq_len * self.hidden
+
+    def head_forward_flops_per_token(self) -> float:
+        return 2.0 * self.hidden * self.vocab
+
+    def step_flops(self, global_batch: int, recompute_passes: float = 0.0) -> float:
+        """FLOPs of one optimizer step: forward + backward (2x) for the layers and the head, plus
+        ``recompute_passes`` extra layer forwards (1 for full recompute). With the GPT-3 shape and
+        one recompute pass this is Narayanan et al.'s 96 B s l h^2 (1 + s/6h + V/16lh)."""
+        tokens = global_batch * self.seq_len
+        layers = self.n_layer * self.layer_forward_flops_per_token() * (3.0 + recompute_passes)
+        return tokens * (layers + 3.0 * self.head_forward_flops_per_token())

@@ -1,0 +1,492 @@
+"""Enumerate 3D layouts, estimate each one's memory and step time, rank the ones that fit.
+
+A *layout* is the degrees (dp, tp, pp) plus the options that change memory or time: micro-batch
+size, schedule and virtual stages, ZeRO stage, sequence parallelism, activation recomputation and
+offload. A *software* profile says which options the training stack offers, so the same planner
+can answer "what would lightning_3d do here" and "what could Megatron-LM do in 2021".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable, Iterator, Optional
+
+from lightning_3d.planner.hardware import ClusterSpec
+from lightning_3d.planner.memory import ActivationOptions, activation_bytes, activations_in_flight, zero_model_state_bytes
+from lightning_3d.planner.model_shape import ModelShape
+from lightning_3d.planner.timing import (
+    head_cost,
+    layer_cost,
+    optimizer_seconds,
+    ring_allreduce_seconds,
+    ring_half_seconds,
+)
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+OFFLOAD = ("none", "cpu", "nvme")
+# Fraction of device memory the caching allocator can hand out before fragmentation bites; a
+# plan that needs more is rejected (PyTorch typically loses 5-10% to fragmentation at peak).
+ALLOCATOR_HEADROOM = 0.95
+PRECISIONS = {"bf16-mixed": (2.0, 12.0), "16-mixed": (2.0, 12.0), "32-true": (4.0, 8.0)}  # (c, K) bytes
+
+
+@dataclass(frozen=True)
+class Software:
+    """What the training stack can do; the planner only proposes what it offers."""
+
+    name: str
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
+    recompute: tuple[str, ...] = RECOMPUTE
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    offload: tuple[str, ...] = OFFLOAD
+    flash_attention: bool = True
+    zero3_with_pipeline: bool = False  # lightning_3d refuses ZeRO-3 under pp (as DeepSpeed does)
+    zero3_with_sequence_parallel: bool = False
+    overlap_grad_reduce: bool = True  # gradient collectives run during the last backward
+    grad_reduce_bytes: float = 4.0  # fp32 gradient accumulation and reduction
+    extra_grad_bytes: float = 0.0  # per parameter, beyond the 16-bit gradient (an fp32 accumulation copy)
+    p2p_scatter_gather: bool = False  # each tp rank sends 1/t of a stage's output (Megatron-LM)
+    balanced_stages: bool = True  # give the head's stage fewer layers (Megatron-LM 2021 splits layers evenly)
+    uneven_stages: bool = True  # pp x v need not divide the layers (Megatron-LM 2021 requires it)
+
+
+SOFTWARE: dict[str, Software] = {
+    "lightning_3d": Software("lightning_3d"),
+    # Megatron-LM as in Narayanan et al. 2021: no ZeRO, no sequence parallelism (2022), unfused
+    # softmax attention (FlashAttention is 2022), full recomputation, 1F1B or interleaved 1F1B.
+    "megatron_2021": Software(
+        "megatron_2021",
+        zero_stages=(0,),
+        recompute=("full",),
+        sequence_parallel=(False,),
+        offload=("none",),
+        flash_attention=False,
+        overlap_grad_reduce=False,
+        grad_reduce_bytes=2.0,  # fp16 training, gradients reduced in fp16
+        extra_grad_bytes=4.0,  # fp16 grads + fp32 main grads: 20 bytes/parameter (Megatron-LM docs)
+        p2p_scatter_gather=True,
+        balanced_stages=False,
+        uneven_stages=False,
+    ),
+    # Megatron-DeepSpeed as used for BLOOM-176B and MT-NLG 530B: ZeRO-1 optional, DeepSpeed's
+    # 1F1B pipeline (no interleaving), unfused attention, full recomputation.
+    "megatron_deepspeed_2022": Software(
+        "megatron_deepspeed_2022",
+        zero_stages=(0, 1),
+        schedules=("1f1b",),
+        recompute=("full",),
+        sequence_parallel=(False,),
+        offload=("none",),
+        flash_attention=False,
+        overlap_grad_reduce=False,
+        balanced_stages=False,
+        extra_grad_bytes=4.0,  # bf16 grads + fp32 accumulation (DeepSpeed's bf16 optimizer)
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    offload: str = "none"
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return (self.dp, self.tp, self.pp)
+
+    def micro_batches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch_size)
+
+    def short(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"mb={self.micro_batch_size}"]
+        if self.pp > 1:
+            parts.append("interleaved" + f"(v={self.virtual_stages})" if self.virtual_stages > 1 else self.schedule)
+        parts.append(f"zero={self.zero_stage}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        return " ".join(parts)
+
+    def strategy_kwargs(self, global_batch: int, layers: int, split_points: Optional[list[int]] = None) -> dict[str, Any]:
+        """``ThreeDParallelStrategy`` keywords (``cfg.parallel``) that run this layout."""
+        out: dict[str, Any] = {
+            "data_parallel": self.dp,
+            "tensor_parallel": self.tp,
+            "pipeline_parallel": self.pp,
+            "zero_stage": self.zero_stage,
+            "sequence_parallel": self.sequence_parallel,
+            "pipeline_schedule": self.schedule,
+            "micro_batches": self.micro_batches(global_batch) if self.pp > 1 else None,
+            "virtual_stages": self.virtual_stages,
+            "activation_checkpointing": None if self.recompute == "none" else self.recompute,
+            "offload_optimizer": self.offload if self.offload != "none" and self.zero_stage < 3 else None,
+            "offload_params": self.offload if self.offload != "none" and self.zero_stage == 3 else None,
+        }
+        if split_points:
+            out["pipeline_partition"] = list(split_points)
+        return out
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, float]  # bytes per device, by kind, and "total"
+    host_bytes_per_node: float
+    nvme_bytes_per_node: float
+    fits: bool
+    why_not: str
+    step_seconds: float
+    time: dict[str, float]  # seconds by kind
+    tflops_per_device: float  # hardware FLOPs (recompute included, as Narayanan et al. count)
+    mfu: float  # model FLOPs (no recompute) / peak
+    tokens_per_second: float
+    split_points: list[int] = field(default_factory=list)
+
+    def to_dict(self, global_batch: int, layers: int) -> dict[str, Any]:
+        gib = 1 / 2**30
+        return {
+            "layout": asdict(self.layout),
+            "strategy": self.layout.strategy_kwargs(global_batch, layers, self.split_points),
+            "micro_batches": self.layout.micro_batches(global_batch),
+            "fits": self.fits,
+            "why_not": self.why_not or None,
+            "memory_gib": {k: round(v * gib, 3) for k, v in self.memory.items()},
+            "host_gib_per_node": round(self.host_bytes_per_node * gib, 2),
+            "nvme_gib_per_node": round(self.nvme_bytes_per_node * gib, 2),
+            "step_seconds": round(self.step_seconds, 4),
+            "time_seconds": {k: round(v, 4) for k, v in self.time.items()},
+            "tflops_per_device": round(self.tflops_per_device, 2),
+            "mfu": round(self.mfu, 4),
+            "tokens_per_second": round(self.tokens_per_second, 1),
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    model: ModelShape
+    cluster: ClusterSpec
+    global_batch: int
+    software: Software = SOFTWARE["lightning_3d"]
+    precision: str = "bf16-mixed"
+    cross_node_tp: bool = False
+    max_micro_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: the planner knows {sorted(PRECISIONS)}.")
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch={self.global_batch} must be positive.")
+
+
+def stage_layers(n_layer: int, pp: int, v: int, head_weight: float) -> tuple[list[int], list[int]]:
+    """Layers per physical stage and the split points (block indices where pieces 2.. start).
+
+    ``v == 1``: the last stage carries the head, worth ``head_weight`` layers, so it gets fewer
+    layers when that balances the stages. ``v > 1``: uniform pieces, dealt round-robin.
+    """
+    if pp == 1:
+        return [n_layer], []
+    if v > 1:
+        pieces = pp * v
+        base, extra = divmod(n_layer, pieces)
+        sizes = [base + (1 if i < extra else 0) for i in range(pieces)]
+        per_stage = [sum(sizes[i::pp]) for i in range(pp)]
+        return per_stage, []
+    best: Optional[tuple[float, list[int]]] = None
+    for last in range(1, math.ceil(n_layer / pp) + 1):
+        rest = n_layer - last
+        if rest < pp - 1:
+            break
+        base, extra = divmod(rest, pp - 1)
+        sizes = [base + (1 if i < extra else 0) for i in range(pp - 1)] + [last]
+        load = max(max(sizes[:-1]), last + head_weight)
+        if best is None or load < best[0] - 1e-9:
+            best = (load, sizes)
+    assert best is not None
+    sizes = best[1]
+    points = [sum(sizes[:i]) for i in range(1, pp)]
+    return sizes, points
+
+
+def _group_spans_nodes(stride: int, size: int, devices_per_node: int) -> bool:
+    """Ranks ``stride`` apart, ``size`` of them: do they leave one node?"""
+    return size > 1 and stride * size > devices_per_node
+
+
+class Planner:
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.c, self.k = PRECISIONS[problem.precision]
+        self._layer_cost = functools.lru_cache(maxsize=None)(self._layer_cost_uncached)
+
+    # -- bandwidths --------------------------------------------------------------------------
+    def _per_device_network(self) -> float:
+        cluster = self.problem.cluster
+        return cluster.inter_node_gb_per_s / cluster.devices_per_node
+
+    def _bandwidth(self, stride: int, size: int) -> float:
+        """Per-device bandwidth of a ring over ``size`` ranks ``stride`` apart. Inside a node: the
+        device link. Across nodes, the ring enters and leaves each node once per channel, so a group
+        with ``k`` members on a node uses ``k`` of its adapters: ``k`` x the per-device network share
+        (the other groups on the node use the rest)."""
+        cluster = self.problem.cluster
+        if _group_spans_nodes(stride, size, cluster.devices_per_node):
+            members_per_node = max(1, min(size, cluster.devices_per_node // stride))
+            return min(cluster.intra_node_gb_per_s, members_per_node * self._per_device_network())
+        return cluster.intra_node_gb_per_s
+
+    def _layer_cost_uncached(self, mb: int, tp: int, sp: bool, recompute: str):  # type: ignore[no-untyped-def]
+        p = self.problem
+        return layer_cost(
+            p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._bandwidth(1, tp)
+        )
+
+    # -- one layout --------------------------------------------------------------------------
+    def evaluate(self, layout: Layout) -> Estimate:
+        p, model, cluster = self.problem, self.problem.model, self.problem.cluster
+        c, k = self.c, self.k
+        t, pp, d, mb, v = layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.virtual_stages
+        m = layout.micro_batches(p.global_batch)
+        cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute)
+        head_seconds = head_cost(model, cluster, mb, t) + 2 * ring_allreduce_seconds(
+            mb * model.seq_len * model.hidden * 2.0, t, self._bandwidth(1, t)
+        )
+        head_weight = head_seconds / cost.total if p.software.balanced_stages else 0.0
+        layers, split_points = stage_layers(model.n_layer, pp, v, head_weight)
+
+        # ---- memory, on the first stage (most activations in flight) and the last (head) ----
+        in_flight = activations_in_flight(layout.schedule, pp, m, v)
+        act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c)
+        layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
+        embed_psi = model.embedding_params / t
+        head_psi = model.head_params / t if not model.tied_embeddings else model.hidden * (2 if model.bias else 1)
+        stages = [(0, layers[0] * layer_psi + embed_psi + (head_psi if pp == 1 else 0), in_flight, pp == 1)]
+        if pp > 1:
+            last_psi = layers[-1] * layer_psi + head_psi + (embed_psi if model.tied_embeddings else 0)
+            last_in_flight = float(m) if layout.schedule == "gpipe" else 1.0  # 1F1B: the last stage finishes each micro-batch at once
+            stages.append((pp - 1, last_psi, last_in_flight, True))
+        best_memory: Optional[dict[str, float]] = None
+        psi_max = 0.0
+        for index, psi, flight, has_head in stages:
+            grad_bytes = c + (p.software.extra_grad_bytes if c == 2.0 else 0.0)
+            states = zero_model_state_bytes(psi, layout.zero_stage, d, k=k, c=c, grad_bytes=grad_bytes)
+            if layout.offload != "none":
+                states["optimizer"] = 0.0
+                if layout.zero_stage == 3:
+                    states["params"] = states["grads"] = 0.0
+            activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head)
+            buffers = 0.0
+            if layout.zero_stage >= 1:
+                buffers += 2 * 50e6  # two in-flight reduce buckets (bucket_size_mb=25, fp32 staging)
+            if layout.zero_stage == 3:
+                buffers += 2 * c * (model.layer_sharded_params / t)  # gathered layer + prefetch
+            if pp > 1:
+                buffers += 2 * c * mb * model.seq_len * model.hidden / (t if layout.sequence_parallel else 1)
+            memory = {**states, "activations": activations, "buffers": buffers, "reserved": cluster.device.reserved_gb * 1e9}
+            memory["total"] = sum(memory.values())
+            if best_memory is None or memory["total"] > best_memory["total"]:
+                best_memory = memory
+            psi_max = max(psi_max, psi)
+        assert best_memory is not None
+
+        optimizer_shard = psi_max / (d if layout.zero_stage >= 1 else 1)
+        host = nvme = 0.0
+        if layout.offload == "cpu":
+            host = k * optimizer_shard * cluster.devices_per_node
+            if layout.zero_stage == 3:
+                host += 2 * c * optimizer_shard * cluster.devices_per_node
+        elif layout.offload == "nvme":
+            nvme = k * optimizer_shard * cluster.devices_per_node
+        capacity = cluster.device.memory_gb * 1e9 * ALLOCATOR_HEADROOM
+        why_not = ""
+        if best_memory["total"] > capacity:
+            why_not = (
+                f"needs {best_memory['total'] / 1e9:.1f} GB per device > {capacity / 1e9:.1f} GB usable "
+                f"({ALLOCATOR_HEADROOM:.0%} of {cluster.device.memory_gb:g} GB)"
+            )
+        elif host > cluster.cpu_ram_gb * 1e9:
+            why_not = f"offload needs {host / 1e9:.0f} GB host RAM per node > {cluster.cpu_ram_gb:g} GB"
+        elif nvme > cluster.nvme_gb * 1e9:
+            why_not = f"offload needs {nvme / 1e9:.0f} GB NVMe per node > {cluster.nvme_gb:g} GB"
+
+        # ---- time ----
+        stage_seconds = max(
+            n * cost.total + (head_seconds if i == pp - 1 else 0.0) for i, n in enumerate(layers)
+        )
+        p2p = 0.0
+        if pp > 1:
+            split = layout.sequence_parallel or p.software.p2p_scatter_gather
+            nbytes = c * mb * model.seq_len * model.hidden / (t if split else 1)
+            bw = self._bandwidth(t * d, 2)
+            p2p = 2 * nbytes / (bw * 1e9 * 0.8)
+        per_micro_batch = stage_seconds + v * p2p
+        bubble_factor = (pp - 1) / v
+        pipeline = (m + bubble_factor) * per_micro_batch
+
+        grad_bytes = psi_max * p.software.grad_reduce_bytes
+        dp_bw = self._bandwidth(t, d)
+        if layout.zero_stage == 0:
+            dp_comm = ring_allreduce_seconds(grad_bytes, d, dp_bw)
+        elif layout.zero_stage in (1, 2):
+            dp_comm = ring_half_seconds(grad_bytes, d, dp_bw) + ring_half_seconds(psi_max * c, d, dp_bw)
+        else:  # gather weights in forward, backward (and recompute); reduce-scatter gradients
+            gathers = 2 + (1 if layout.recompute == "full" else 0)
+            dp_comm = m * gathers * ring_half_seconds(psi_max * c, d, dp_bw) + m * ring_half_seconds(grad_bytes, d, dp_bw)
+        last_backward = max(layers) * cost.backward
+        if layout.zero_stage == 3:
+            exposed_dp = max(0.0, dp_comm - pipeline)  # prefetch overlaps the gathers with compute
+        elif p.software.overlap_grad_reduce and pp == 1:
+            exposed_dp = max(0.0, dp_comm - last_backward)
+        else:
+            exposed_dp = dp_comm
+        opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
+        step = pipeline + exposed_dp + opt
+
+        world = d * t * pp
+        recompute_passes = {"none": 0.0, "full": 1.0, "selective": 0.0}[layout.recompute]
+        hardware_flops = model.step_flops(p.global_batch, recompute_passes)
+        model_flops = model.step_flops(p.global_batch, 0.0)
+        tflops = hardware_flops / world / step / 1e12
+        mfu = model_flops / world / step / (cluster.device.peak_tflops * 1e12)
+        time = {
+            "compute": m * stage_seconds - m * max(layers) * cost.tp_comm,
+            "tp_comm": m * max(layers) * cost.tp_comm,
+            "pp_bubble": bubble_factor * per_micro_batch,
+            "pp_p2p": m * v * p2p,
+            "dp_comm_exposed": exposed_dp,
+            "optimizer": opt,
+        }
+        return Estimate(
+            layout=layout,
+            memory=best_memory,
+            host_bytes_per_node=host,
+            nvme_bytes_per_node=nvme,
+            fits=not why_not,
+            why_not=why_not,
+            step_seconds=step,
+            time=time,
+            tflops_per_device=tflops,
+            mfu=mfu,
+            tokens_per_second=p.global_batch * model.seq_len / step,
+            split_points=split_points,
+        )
+
+    # -- the search space ---------------------------------------------------------------------
+    def degrees(self) -> Iterator[tuple[int, int, int]]:
+        """(dp, tp, pp) that divide the world, the heads and the batch."""
+        p, model, cluster = self.problem, self.problem.model, self.problem.cluster
+        world = cluster.world_size
+        tp_limit = world if p.cross_node_tp else cluster.devices_per_node
+        for t in range(1, tp_limit + 1):
+            if world % t or model.n_head % t or model.n_kv_head % t or model.hidden % t or model.ffn % t:
+                continue
+            for pp in range(1, model.n_layer + 1):
+                if world % (t * pp) or (model.n_layer % pp and not p.software.uneven_stages):
+                    continue
+                d = world // (t * pp)
+                if p.global_batch % d:
+                    continue
+                yield d, t, pp
+
+    def options(self, d: int, t: int, pp: int) -> Iterator[Layout]:
+        p, model, sw = self.problem, self.problem.model, self.problem.software
+        per_replica = p.global_batch // d
+        sizes = [b for b in _powers_of_two(min(per_replica, p.max_micro_batch_size)) if per_replica % b == 0]
+        schedules: list[tuple[str, int]] = [("1f1b", 1)]
+        if pp > 1:
+            schedules = [(s, 1) for s in sw.schedules if s != "interleaved_1f1b"]
+            if "interleaved_1f1b" in sw.schedules:
+                schedules += [("interleaved_1f1b", v) for v in range(2, 9) if model.n_layer % (pp * v) == 0]
+        sps = [s for s in sw.sequence_parallel if not s or (t > 1 and model.seq_len % t == 0)]
+        for mb in sizes:
+            m = per_replica // mb
+            for schedule, v in schedules:
+                if schedule == "interleaved_1f1b" and (m < pp or m % pp):
+                    continue
+                for zero in sw.zero_stages:
+                    if zero == 3 and pp > 1 and not sw.zero3_with_pipeline:
+                        continue
+                    for sp in sps:
+                        if zero == 3 and sp and not sw.zero3_with_sequence_parallel:
+                            continue
+                        for recompute in sw.recompute:
+                            yield Layout(d, t, pp, mb, schedule, v, zero, sp, recompute, "none")
+
+    def search(self) -> list[Estimate]:
+        """Every layout in the space, estimated; offload is tried only where nothing else fits."""
+        out: list[Estimate] = []
+        sw = self.problem.software
+        for d, t, pp in self.degrees():
+            for layout in self.options(d, t, pp):
+                estimate = self.evaluate(layout)
+                out.append(estimate)
+                if estimate.fits or layout.zero_stage == 0:
+                    continue
+                for target in sw.offload:
+                    if target == "none" or (target == "nvme" and (layout.zero_stage == 3 or self.problem.cluster.nvme_gb <= 0)):
+                        continue
+                    out.append(self.evaluate(replace(layout, offload=target)))
+        return out
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, b = [], 1
+    while b <= limit:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def rank(estimates: Iterable[Estimate], distinct_degrees: bool = True) -> list[Estimate]:
+    """Feasible layouts, fastest first; with ``distinct_degrees`` only the best per (dp, tp, pp)."""
+    feasible = sorted((e for e in estimates if e.fits), key=lambda e: e.step_seconds)
+    if not distinct_degrees:
+        return feasible
+    seen: set[tuple[int, int, int]] = set()
+    out = []
+    for e in feasible:
+        if e.layout.degrees not in seen:
+            seen.add(e.layout.degrees)
+            out.append(e)
+    return out
+
+
+def best_completion(planner: Planner, fixed: dict[str, Any]) -> Estimate:
+    """The fastest layout that matches every given field (``dp``/``tp``/``pp`` required);
+    unfitting ones too when nothing fits, so a given layout is always reported."""
+    for key in ("dp", "tp", "pp"):
+        if key not in fixed:
+            raise ValueError(f"--layout needs {key}=; got {sorted(fixed)}.")
+    world = fixed["dp"] * fixed["tp"] * fixed["pp"]
+    if world != planner.problem.cluster.world_size:
+        raise ValueError(
+            f"layout dp x tp x pp = {fixed['dp']} x {fixed['tp']} x {fixed['pp']} = {world} does not match the "
+            f"{planner.problem.cluster.world_size} devices of cluster {planner.problem.cluster.name!r}."
+        )
+    candidates = [
+        planner.evaluate(layout)
+        for layout in planner.options(fixed["dp"], fixed["tp"], fixed["pp"])
+        if all(getattr(layout, key) == value for key, value in fixed.items() if key not in ("dp", "tp", "pp", "offload"))
+    ]
+    if "offload" in fixed and fixed["offload"] != "none":
+        candidates = [planner.evaluate(replace(e.layout, offload=fixed["offload"])) for e in candidates]
+    if not candidates:
+        raise ValueError(f"no layout matches {fixed} for this model, batch and software profile.")
+    fitting = [e for e in candidates if e.fits]
+    pool = fitting or candidates
+    return min(pool, key=lambda e: e.step_seconds if e.fits else e.memory["total"])

@@ -1,0 +1,128 @@
+"""Step time of one layout: compute at a calibrated fraction of peak, plus what it cannot hide.
+
+Per micro-batch and pipeline stage, a transformer layer costs
+
+* GEMMs: its forward FLOPs (Narayanan et al. 2021 counting) x (3 + recompute passes) / t, at
+  ``device.gemm_efficiency`` x peak -- the one calibrated constant per device model;
+* element-wise kernels (norms, dropout, residual adds, the activation function, and with unfused
+  attention the scale-mask-softmax-dropout over ``a s^2`` scores): bytes moved / HBM bandwidth.
+  The bytes per element below are counted from the kernels (read + write, 16-bit), not fitted;
+* tensor-parallel collectives: two per layer per pass (all-reduce, or all-gather + reduce-scatter
+  under sequence parallelism; the same bytes), ring cost 2 (t-1)/t x bytes over the link, not
+  overlapped (as in Megatron-LM).
+
+A step is (m + (pp - 1) / v) micro-batch times of the slowest stage (the pipeline bubble of
+1F1B and GPipe; interleaving divides it by ``v``) plus point-to-point sends, the data-parallel
+gradient collectives that backward could not hide, and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_3d.planner.hardware import ClusterSpec
+from lightning_3d.planner.model_shape import ModelShape
+
+# Fraction of a link's nominal bandwidth that large collectives reach (NCCL bus bandwidth over
+# NVLink/InfiniBand is typically 75-85% of nominal); a global constant, not per row or device.
+LINK_EFFICIENCY = 0.8
+# Fraction of HBM bandwidth element-wise kernels reach.
+HBM_EFFICIENCY = 0.8
+# Element-wise bytes per element per forward (16-bit), counted from the kernels:
+# per hidden element (b s h): two norms (read + write: 4 + 4) and two fused bias-dropout-add
+# kernels (read input and residual, write: 6 + 6); with dropout, their 1-byte masks (1 + 1).
+HIDDEN_BYTES = 20.0
+HIDDEN_DROPOUT_BYTES = 2.0
+# per ffn element (b s ffn): bias + GELU (4), or SwiGLU's silu(gate) * up (6).
+FFN_BYTES = {False: 4.0, True: 6.0}
+# per attention score (b a s^2), unfused: scale + mask + softmax (4), dropout (5).
+SCORE_BYTES = 4.0
+SCORE_DROPOUT_BYTES = 5.0
+# Backward moves about twice the forward's element-wise bytes (reads saved inputs and grads).
+BACKWARD_FACTOR = 2.0
+# Optimizer step bytes per parameter of the local shard (fp32 master + two moments read and
+# written, fp32 gradient read, 16-bit weight written).
+OPTIMIZER_BYTES = 30.0
+
+
+@dataclass(frozen=True)
+class MicroBatchCost:
+    """Seconds one layer takes for one micro-batch, split by kind."""
+
+    forward: float
+    backward: float  # includes recompute
+    tp_comm: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.tp_comm
+
+
+def ring_allreduce_seconds(nbytes: float, ranks: int, gb_per_s: float) -> float:
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * nbytes / (gb_per_s * 1e9 * LINK_EFFICIENCY)
+
+
+def ring_half_seconds(nbytes: float, ranks: int, gb_per_s: float) -> float:
+    """A reduce-scatter or an all-gather: half a ring all-reduce."""
+    return ring_allreduce_seconds(nbytes, ranks, gb_per_s) / 2.0
+
+
+def layer_cost(
+    model: ModelShape,
+    cluster: ClusterSpec,
+    micro_batch: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: str,
+    flash_attention: bool,
+    tp_bandwidth: float,
+) -> MicroBatchCost:
+    """One transformer layer, one micro-batch, on one device."""
+    device = cluster.device
+    tokens = micro_batch * model.seq_len
+    gemm_rate = device.peak_tflops * 1e12 * device.gemm_efficiency
+    hbm_rate = device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY
+    gemm_fwd = tokens * model.layer_forward_flops_per_token() / tp / gemm_rate
+
+    hidden = tokens * model.hidden * (HIDDEN_BYTES + (HIDDEN_DROPOUT_BYTES if model.dropout else 0.0))
+    hidden /= tp if sequence_parallel else 1  # outside the tp region, replicated unless split by SP
+    ffn = tokens * model.ffn / tp * FFN_BYTES[model.gated_mlp]
+    scores = 0.0
+    if not flash_attention:
+        per_score = SCORE_BYTES + (SCORE_DROPOUT_BYTES if model.dropout else 0.0)
+        scores = micro_batch * model.n_head / tp * model.seq_len**2 * per_score
+    elem_fwd = (hidden + ffn + scores) / hbm_rate
+
+    recompute_fwd = {"none": 0.0, "full": gemm_fwd + elem_fwd, "selective": scores / hbm_rate}[recompute]
+    forward = gemm_fwd + elem_fwd
+    backward = 2.0 * gemm_fwd + BACKWARD_FACTOR * elem_fwd + recompute_fwd
+    collectives = 4 + (2 if recompute == "full" else 0)  # two in forward, two in backward, two in recompute
+    activation = tokens * model.hidden * 2.0
+    tp_comm = collectives * ring_allreduce_seconds(activation, tp, tp_bandwidth)
+    return MicroBatchCost(forward, backward, tp_comm)
+
+
+def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int) -> float:
+    """The LM head and loss for one micro-batch (forward + backward, never recomputed)."""
+    device = cluster.device
+    tokens = micro_batch * model.seq_len
+    gemm = 3.0 * tokens * model.head_forward_flops_per_token() / tp / (device.peak_tflops * 1e12 * device.gemm_efficiency)
+    # softmax cross-entropy over fp32 logits: read/write them in forward and backward
+    elem = 4.0 * tokens * model.vocab / tp * 4.0 / (device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY)
+    return gemm + elem
+
+
+def optimizer_seconds(params_in_shard: float, cluster: ClusterSpec, offload: str, devices_sharing_host: int) -> float:
+    """The optimizer step over this rank's shard: on the device, or on the host for offload."""
+    if offload == "none":
+        return params_in_shard * OPTIMIZER_BYTES / (cluster.device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY)
+    # Host Adam is memory-bound on the host's DRAM, shared by the node's ranks; gradients go down
+    # and updated 16-bit weights come back over PCIe; NVMe streams master + moments both ways.
+    seconds = params_in_shard * OPTIMIZER_BYTES * devices_sharing_host / (cluster.host_memory_gb_per_s * 1e9)
+    if cluster.pcie_gb_per_s > 0:
+        seconds += params_in_shard * 6.0 / (cluster.pcie_gb_per_s * 1e9)
+    if offload == "nvme" and cluster.nvme_gb_per_s > 0:
+        seconds += params_in_shard * 24.0 * devices_sharing_host / (cluster.nvme_gb_per_s * 1e9)
+    return seconds
