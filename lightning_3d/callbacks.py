@@ -71,3 +71,105 @@ class TokenThroughput(L.Callback):
     @property
     def mean_tokens_per_s(self) -> float:
         return self._tokens / self._seconds if self._seconds > 0 else float("nan")
+
+
+class SavedTensorTracker:
+    """Peak bytes of the tensors autograd keeps for backward, counted once per storage, weights
+    excluded: the activation memory the planner predicts, measured the same way on any device.
+
+    Use as the pair of ``torch.autograd.graph.saved_tensors_hooks``; a saved tensor stops counting
+    when autograd frees it (after its backward), so the peak covers in-flight micro-batches."""
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        self._exclude = {_storage_key(t) for t in exclude}
+        self._live: dict[int, list[int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        key = _storage_key(tensor)
+        if key is None or key in self._exclude:
+            return tensor
+        entry = self._live.get(key)
+        if entry is None:
+            nbytes = tensor.untyped_storage().nbytes()
+            self._live[key] = [1, nbytes]
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[0] += 1
+        return _Held(tensor, key, self)
+
+    @staticmethod
+    def unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._live[key]
+
+
+class _Held:
+    __slots__ = ("tensor", "key", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, key: int, tracker: SavedTensorTracker) -> None:
+        self.tensor, self.key, self.tracker = tensor, key, tracker
+
+    def __del__(self) -> None:
+        self.tracker.release(self.key)
+
+
+def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    try:
+        storage = local.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, some subclasses)
+        return None
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+class MemoryProbe(L.Callback):
+    """Measures, on training step ``step``, what the planner predicts per rank: model states
+    (``ThreeDParallelStrategy.memory_report``: parameters, gradients, optimizer state) and the peak
+    of saved activations. :attr:`per_rank` holds every rank's numbers (bytes) after fit."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self._tracker: Optional[SavedTensorTracker] = None
+        self._hooks: Any = None
+        self.measured: dict[str, float] = {}
+        self.per_rank: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step or self._hooks is not None:
+            return
+        self._tracker = SavedTensorTracker(list(pl_module.parameters()))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._tracker.pack, self._tracker.unpack)
+        self._hooks.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._hooks is None or self._tracker is None or self.measured:
+            return
+        self._hooks.__exit__(None, None, None)
+        report = trainer.strategy.memory_report() if hasattr(trainer.strategy, "memory_report") else {}
+        self.measured = {
+            "params": float(report.get("params", 0)),
+            "grads": float(report.get("grads", 0)),
+            "optimizer": float(report.get("master", 0) + report.get("optimizer_state", 0)),
+            "activations": float(self._tracker.peak),
+        }
+        self.measured["total"] = sum(self.measured.values())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        mine = self.measured or {"total": 0.0}
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            gathered: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(gathered, mine)
+            self.per_rank = gathered
+        else:
+            self.per_rank = [mine]

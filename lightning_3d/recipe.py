@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_3d.callbacks import TokenThroughput
+from lightning_3d.callbacks import MemoryProbe, TokenThroughput
 from lightning_3d.data import TextDataModule
 from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.strategy import ThreeDParallelStrategy
@@ -41,8 +41,10 @@ def _plain(node: Any) -> Any:
 
 
 def build_strategy(parallel: DictConfig) -> ThreeDParallelStrategy:
-    """``cfg.parallel`` keys are exactly the strategy's keywords."""
-    return ThreeDParallelStrategy(**_plain(parallel))
+    """``cfg.parallel`` keys are the strategy's keywords (plus the planner's ``auto``/``software``)."""
+    from lightning_3d.planner.apply import strategy_keywords
+
+    return ThreeDParallelStrategy(**strategy_keywords(parallel))
 
 
 def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
@@ -80,9 +82,16 @@ def _final(metrics: dict[str, Any], key: str) -> Optional[float]:
 
 
 def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
-    """Fit, validate, plot; return the summary on global rank 0 (``None`` elsewhere)."""
+    """Fit, validate, plot; return the summary on global rank 0 (``None`` elsewhere).
+
+    With ``parallel=auto`` the planner picks the layout first (every rank computes the same plan).
+    """
+    from lightning_3d.planner.apply import apply_auto_layout, predicted_memory
+
+    cfg, planned = apply_auto_layout(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    trainer = build_trainer(cfg, out_dir, [TokenThroughput()])
+    probe = MemoryProbe(step=1)
+    trainer = build_trainer(cfg, out_dir, [TokenThroughput(), probe])
     model, data = build_model(cfg), build_data(cfg)
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
     # GPTModule.configure_callbacks may have replaced ours: read the one the Trainer used.
@@ -105,6 +114,17 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
         "steps": trainer.global_step,
         "checkpoint": str(out_dir / "checkpoints" / "last.ckpt"),
     }
+    if planned is not None:
+        summary["planned"] = {"layout": planned.layout.short(), "predicted_step_seconds": round(planned.step_seconds, 4)}
+    measured = [r for r in probe.per_rank if r.get("total")]
+    if measured:
+        keys = ("params", "grads", "optimizer", "activations")
+        predicted = predicted_memory(cfg, trainer.world_size)
+        worst = max(measured, key=lambda r: r["total"])
+        summary["memory_per_rank_bytes"] = {
+            "measured_max_rank": {k: int(worst[k]) for k in (*keys, "total")},
+            "predicted": {**{k: int(predicted[k]) for k in keys}, "total": int(sum(predicted[k] for k in keys))},
+        }
     metrics_csv = out_dir / "logs" / "metrics.csv"
     if metrics_csv.is_file():
         from lightning_3d.plotting import plot_loss_curve

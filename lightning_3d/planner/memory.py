@@ -69,18 +69,22 @@ def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: Activation
     mask = 1.0 if model.dropout else 0.0
     kv = model.kv_width / h  # k and v widths relative to h
     ffn = model.ffn / h
+    norm = 2.0 if model.rms_norm else 1.0  # tensors each norm keeps per element
     # Tensors every tp rank holds whole (split along the sequence under sequence parallel):
-    # the two layer-norm inputs, the q/k/v input, the MLP input, two dropout masks.
-    replicated = sbh * (2 * c + c + c + 2 * mask)
-    # Tensors split by tensor parallelism: q, k, v; the output projection's input; the MLP
-    # activations (GELU input and output, or SwiGLU's gate, up and product).
-    sharded = sbh * (c * (1 + 2 * kv) + c + c * ffn * (3 if model.gated_mlp else 2))
-    # The attention core: the a s^2 scores (softmax output, dropout mask and output), or for fused
-    # attention its output and one fp32 log-sum-exp per (head, position).
+    # the two norms' inputs, the q/k/v input, the MLP input, two dropout masks.
+    replicated = sbh * (2 * norm * c + c + c + 2 * mask)
+    # Tensors split by tensor parallelism: q, k, v; the output projection's input; the MLP's
+    # GELU input and output (SwiGLU: gate, silu(gate), up and their product).
+    sharded = sbh * (c * (1 + 2 * kv) + c + c * ffn * (4 if model.gated_mlp else 2))
+    # The attention core: the a s^2 scores (softmax output; with dropout its mask and output), or
+    # for fused attention one fp32 log-sum-exp per (head, position) -- its output is the output
+    # projection's input, counted above.
     if opts.flash_attention:
-        core = c * sbh + 4.0 * model.n_head * s * b
+        core = 4.0 * model.n_head * s * b
     else:
         core = model.n_head * s * s * b * (c + (mask + c if model.dropout else 0.0))
+    if not model.learned_positions:
+        core += 2 * 4.0 * s * model.head_dim  # fp32 rotary cos/sin tables, per layer
     if opts.recompute == "selective":
         core = 0.0
     if opts.sequence_parallel:

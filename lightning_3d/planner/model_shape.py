@@ -24,6 +24,7 @@ class ModelShape:
     learned_positions: bool = True
     bias: bool = True
     dropout: bool = False  # dropout > 0: masks are kept for backward
+    rms_norm: bool = False  # RMSNorm (torch's keeps its input and the normalized input)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> "ModelShape":
@@ -47,6 +48,7 @@ class ModelShape:
             learned_positions=config.get("position", "learned") == "learned",
             bias=bool(config.get("bias", True)),
             dropout=float(config.get("dropout", 0.0) or 0.0) > 0,
+            rms_norm=config.get("norm", "layernorm") == "rmsnorm",
         )
 
     @property
