@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -45,6 +46,8 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        # Lightning's default checkpoint callback writes to default_root_dir (else the cwd)
+        default_root_dir=tempfile.mkdtemp(prefix="l3d-trainer-"),
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
