@@ -80,11 +80,12 @@ def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds:
         lay, mem = e.layout, e.memory
         schedule = "-" if lay.pp == 1 else ("interl." + f"v{lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule)
         other = mem["buffers"] + mem["reserved"]
+        activations = mem["activations"] + mem["recompute"]
         flag = "" if e.fits else f"  DOES NOT FIT: {e.why_not}"
         lines.append(
             f"{i:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.micro_batch_size:>3} {lay.micro_batches(problem.global_batch):>5} "
             f"{schedule:>11} {lay.zero_stage:>4} {'y' if lay.sequence_parallel else 'n':>3} {lay.recompute:>9} {lay.offload:>7} | "
-            f"{_gib(mem['params']):>6} {_gib(mem['grads']):>6} {_gib(mem['optimizer']):>6} {_gib(mem['activations']):>6} "
+            f"{_gib(mem['params']):>6} {_gib(mem['grads']):>6} {_gib(mem['optimizer']):>6} {_gib(activations):>6} "
             f"{_gib(other):>6} {_gib(mem['total']):>6}     | {e.step_seconds:>8.3f} {e.tflops_per_device:>7.1f} "
             f"{e.mfu:>5.1%} {e.tokens_per_second:>10.0f}{flag}"
         )

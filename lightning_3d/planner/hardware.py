@@ -78,6 +78,12 @@ class ClusterSpec:
 def load_cluster(config: Any) -> ClusterSpec:
     """A :class:`ClusterSpec` from a composed ``cfg.cluster`` node or a plain dict."""
     node = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
+    name = node.get("name", "?")
+    if node.get("devices_per_node", 1) < 1 or "device" not in node:
+        raise ValueError(
+            f"cluster {name!r} (devices_per_node={node.get('devices_per_node')}) does not describe its devices: it is for "
+            f"running only. Plan with a cluster that names a device model and count, e.g. cluster=h100_80g_1node."
+        )
     merged = OmegaConf.merge(OmegaConf.structured(ClusterSpec), node)
     spec = OmegaConf.to_object(merged)
     assert isinstance(spec, ClusterSpec)

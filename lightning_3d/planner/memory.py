@@ -113,14 +113,16 @@ def activation_bytes(
     in_flight: float,
     opts: ActivationOptions,
     head_on_stage: bool,
-) -> float:
-    """Peak activation bytes on one pipeline stage."""
+) -> dict[str, float]:
+    """Peak activation bytes on one pipeline stage: ``stored`` (kept for backward across layers,
+    logits included) and ``recompute`` (under full recomputation, the one layer being re-run
+    holds its full activations on top of the stored inputs)."""
     stored = layers_on_stage * in_flight * layer_activation_bytes(model, micro_batch, opts)
-    if opts.recompute == "full":
-        # Backward re-runs one layer at a time: its full activations are alive on top of the inputs.
-        working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element)
-        stored += layer_activation_bytes(model, micro_batch, working)
     if head_on_stage:
         # Logits and their gradient, split over the vocabulary by tensor parallelism.
         stored += 2 * opts.bytes_per_element * model.seq_len * micro_batch * model.vocab / opts.tp
-    return stored
+    recompute = 0.0
+    if opts.recompute == "full":
+        working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element)
+        recompute = layer_activation_bytes(model, micro_batch, working)
+    return {"stored": stored, "recompute": recompute}

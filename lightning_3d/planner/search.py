@@ -291,13 +291,19 @@ class Planner:
                     states["params"] = states["grads"] = 0.0
             activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head)
             buffers = 0.0
-            if layout.zero_stage >= 1:
-                buffers += 2 * 50e6  # two in-flight reduce buckets (bucket_size_mb=25, fp32 staging)
+            if layout.zero_stage >= 1:  # two in-flight reduce buckets (bucket_size_mb=25), at most the grads
+                buffers += 2 * min(25 * 2**20, psi * p.software.grad_reduce_bytes)
             if layout.zero_stage == 3:
                 buffers += 2 * c * (model.layer_sharded_params / t)  # gathered layer + prefetch
             if pp > 1:
                 buffers += 2 * c * mb * model.seq_len * model.hidden / (t if layout.sequence_parallel else 1)
-            memory = {**states, "activations": activations, "buffers": buffers, "reserved": cluster.device.reserved_gb * 1e9}
+            memory = {
+                **states,
+                "activations": activations["stored"],
+                "recompute": activations["recompute"],
+                "buffers": buffers,
+                "reserved": cluster.device.reserved_gb * 1e9,
+            }
             memory["total"] = sum(memory.values())
             if best_memory is None or memory["total"] > best_memory["total"]:
                 best_memory = memory

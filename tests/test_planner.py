@@ -1,0 +1,333 @@
+"""The planner: its memory formulas against the papers, its predictions against published runs,
+its configs and its command line. No processes are spawned here (see test_recipes.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_3d.planner import (
+    SOFTWARE,
+    ActivationOptions,
+    Layout,
+    ModelShape,
+    Planner,
+    Problem,
+    activations_in_flight,
+    best_completion,
+    layer_activation_bytes,
+    load_cluster,
+    rank,
+    with_nodes,
+    zero_model_state_bytes,
+)
+from lightning_3d.planner.cli import parse_layout
+from lightning_3d.recipe import compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compose(*overrides: str):  # type: ignore[no-untyped-def]
+    return compose_config(list(overrides))
+
+
+def shape_of(model: str, seq_len: int | None = None) -> ModelShape:
+    cfg = compose(f"model={model}")
+    return ModelShape.from_config(OmegaConf.to_container(cfg.model), seq_len=seq_len)  # type: ignore[arg-type]
+
+
+def cluster_of(name: str, nodes: int | None = None):  # type: ignore[no-untyped-def]
+    return with_nodes(load_cluster(compose(f"cluster={name}").cluster), nodes)
+
+
+# -- ZeRO (Rajbhandari et al. 2020) ---------------------------------------------------------------
+@pytest.mark.parametrize("psi", [1.5e9, 7.5e9, 175e9, 1e12])
+@pytest.mark.parametrize("n", [1, 8, 64, 1024])
+def test_model_states_are_the_zero_papers_formulas(psi: float, n: int) -> None:
+    """Section 5 of the ZeRO paper, mixed-precision Adam (K = 12): 16 psi, 4 psi + 12 psi / N,
+    2 psi + 14 psi / N, 16 psi / N."""
+    expected = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    for stage, total in expected.items():
+        assert sum(zero_model_state_bytes(psi, stage, n).values()) == pytest.approx(total, rel=1e-12)
+
+
+def test_zero_papers_figure_1_example() -> None:
+    """ZeRO paper, Figure 1: 7.5B parameters on 64 GPUs -> 120 GB, 31.4 GB, 16.6 GB, 1.88 GB."""
+    paper = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
+    for stage, gb in paper.items():
+        assert sum(zero_model_state_bytes(7.5e9, stage, 64).values()) == pytest.approx(gb, rel=0.01)
+
+
+def test_zero_stage_is_validated() -> None:
+    with pytest.raises(ValueError, match="zero_stage=4"):
+        zero_model_state_bytes(1e9, 4, 8)
+
+
+# -- activations (Korthikanti et al. 2022) ---------------------------------------------------------
+# Their Table 3 models (s = 2048, t = 8): 22B, 175B (GPT-3), 530B (MT-NLG), 1T.
+KORTHIKANTI_MODELS = [(6144, 64, 48), (12288, 96, 96), (20480, 128, 105), (25600, 160, 128)]
+
+
+def _gpt(h: int, a: int, layers: int, s: int = 2048) -> ModelShape:
+    return ModelShape(n_layer=layers, hidden=h, n_head=a, n_kv_head=a, ffn=4 * h, vocab=51200, seq_len=s, dropout=True)
+
+
+@pytest.mark.parametrize("h,a,layers", KORTHIKANTI_MODELS)
+@pytest.mark.parametrize("b", [1, 4])
+def test_activations_are_korthikantis_formulas(h: int, a: int, layers: int, b: int) -> None:
+    """Section 4 of Korthikanti et al.: bytes per layer for 16-bit activations with dropout and
+    unfused attention, t = 8."""
+    model, s, t = _gpt(h, a, layers), 2048, 8
+    sbh = s * b * h
+
+    def ours(**kw) -> float:  # type: ignore[no-untyped-def]
+        return layer_activation_bytes(model, b, ActivationOptions(**kw))
+
+    assert ours(tp=1) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert ours(tp=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert ours(tp=t, sequence_parallel=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert ours(tp=t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert ours(tp=t, sequence_parallel=True, recompute="selective") == pytest.approx(34 * sbh / t)
+    assert ours(tp=t, recompute="full") == pytest.approx(2 * sbh)
+    assert ours(tp=t, sequence_parallel=True, recompute="full") == pytest.approx(2 * sbh / t)
+
+
+def test_sequence_parallel_and_selective_recompute_save_what_the_paper_reports() -> None:
+    """Korthikanti et al. (abstract, Figure 7): the two together cut activation memory ~5x vs
+    tensor parallelism alone on their models."""
+    for h, a, layers in KORTHIKANTI_MODELS:
+        model = _gpt(h, a, layers)
+        tp_only = layer_activation_bytes(model, 1, ActivationOptions(tp=8))
+        both = layer_activation_bytes(model, 1, ActivationOptions(tp=8, sequence_parallel=True, recompute="selective"))
+        assert 4.0 < tp_only / both < 6.5
+
+
+def test_in_flight_micro_batches_per_schedule() -> None:
+    assert activations_in_flight("1f1b", 1, 64) == 1
+    assert activations_in_flight("1f1b", 8, 64) == 8  # the first stage holds p micro-batches
+    assert activations_in_flight("1f1b", 8, 4) == 4
+    assert activations_in_flight("gpipe", 8, 64) == 64
+    assert activations_in_flight("interleaved_1f1b", 8, 64, 4) == pytest.approx(8 * (1 + 7 / 32))  # their eq. 5
+
+
+# -- model shapes and FLOPs --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model,billions",
+    [
+        ("gpt3_175b", 175.0),
+        ("bloom_176b", 176.2),
+        ("mt_nlg_530b", 530.0),
+        ("llama3_8b", 8.0),
+        ("llama3_70b", 70.6),
+        ("llama3_405b", 405.9),
+        ("megatron_gpt_1p7b", 1.7),
+        ("megatron_gpt_18p4b", 18.4),
+        ("megatron_gpt_145p6b", 145.6),
+        ("megatron_gpt_1t", 1008.0),
+    ],
+)
+def test_published_parameter_counts(model: str, billions: float) -> None:
+    """The configs' dimensions give the published sizes (within 3%: vocab padding, biases)."""
+    assert shape_of(model).num_parameters / 1e9 == pytest.approx(billions, rel=0.03)
+
+
+@pytest.mark.parametrize("config", [{}, {"n_kv_head": 2, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False, "tie_embeddings": False, "ffn_hidden": 96}])
+def test_parameter_count_equals_the_real_model(config: dict) -> None:
+    from lightning_3d.models.gpt import GPT, GPTConfig
+
+    fields = dict(vocab_size=256, block_size=32, n_layer=3, n_head=4, n_embd=32, **config)
+    model = GPT(GPTConfig(**fields))
+    real = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert ModelShape.from_config(fields).num_parameters == real
+
+
+@pytest.mark.parametrize("model", ["megatron_gpt_1p7b", "megatron_gpt_145p6b", "megatron_gpt_1t", "gpt3_175b"])
+def test_flops_are_narayanans_formula(model: str) -> None:
+    """Narayanan et al. 2021, eq. (3): 96 B s l h^2 (1 + s / 6h + V / 16 l h) with recomputation."""
+    m, batch = shape_of(model), 1536
+    s, l, h, v = m.seq_len, m.n_layer, m.hidden, m.vocab
+    expected = 96 * batch * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    assert m.step_flops(batch, recompute_passes=1) == pytest.approx(expected, rel=1e-9)
+
+
+# -- published runs -------------------------------------------------------------------------------
+# Narayanan et al. 2021, Table 1 (Selene, A100 80GB, s = 2048, V = 51200, fp16, full recompute):
+# model, t, p, GPUs, global batch, achieved TFLOP/s per GPU.
+NARAYANAN_TABLE_1 = [
+    ("megatron_gpt_1p7b", 1, 1, 32, 512, 137),
+    ("megatron_gpt_3p6b", 2, 1, 64, 512, 138),
+    ("megatron_gpt_7p5b", 4, 1, 128, 512, 142),
+    ("megatron_gpt_18p4b", 8, 1, 256, 1024, 135),
+    ("megatron_gpt_39p1b", 8, 2, 512, 1536, 138),
+    ("megatron_gpt_76p1b", 8, 4, 1024, 1792, 140),
+    ("megatron_gpt_145p6b", 8, 8, 1536, 2304, 148),
+    ("megatron_gpt_310p1b", 8, 16, 1920, 2160, 155),
+    ("megatron_gpt_529p6b", 8, 35, 2520, 2520, 163),
+    ("megatron_gpt_1t", 8, 64, 3072, 3072, 163),
+]
+PUBLISHED = [
+    pytest.param(model, "selene_mtnlg", gpus // 8, "megatron_2021", batch, dict(dp=gpus // (t * p), tp=t, pp=p), tflops, id=model)
+    for model, t, p, gpus, batch, tflops in NARAYANAN_TABLE_1
+] + [
+    # BLOOM paper (BigScience 2022), section 3.4 / model card: 384 A100 80GB, tp4 pp12 dp8, ZeRO-1,
+    # micro-batch 2, global batch 2048; "about 150 TFLOP/s per GPU" (156 at the best of the run).
+    pytest.param("bloom_176b", "jean_zay_bloom", None, "megatron_deepspeed_2022", 2048,
+                 dict(dp=8, tp=4, pp=12, micro_batch_size=2, zero_stage=1), 150, id="bloom_176b"),
+    # Smith et al. 2022 (MT-NLG), section 2.3: 280 DGX A100 nodes, tp8 pp35 dp8, global batch 1920,
+    # micro-batch 1: 126 TFLOP/s per GPU (60.1 s per iteration).
+    pytest.param("mt_nlg_530b", "selene_mtnlg", None, "megatron_deepspeed_2022", 1920,
+                 dict(dp=8, tp=8, pp=35, micro_batch_size=1), 126, id="mt_nlg_530b"),
+]
+# Where the planner ranks the published layout below 5th: it predicts lower tensor parallelism
+# (tp 2-4 with more pipeline stages) faster by 10-20%, as Narayanan et al.'s own Figure 14 finds
+# for data x tensor parallelism; see docs/planner.md ("Known disagreements").
+KNOWN_RANK = {"megatron_gpt_18p4b": 8, "megatron_gpt_39p1b": 7}
+
+
+@pytest.fixture(scope="module")
+def published_results() -> dict[str, tuple]:
+    return {}
+
+
+@pytest.mark.parametrize("model,cluster,nodes,software,batch,fixed,reported", PUBLISHED)
+def test_published_layouts(model, cluster, nodes, software, batch, fixed, reported) -> None:  # type: ignore[no-untyped-def]
+    """The published layout fits, ranks near the top, and its predicted TFLOP/s per GPU is within
+    15% of the reported figure -- with the one calibrated constant of the A100 config for all."""
+    spec = cluster_of(cluster, nodes)
+    assert spec.device.model == "A100-SXM4-80GB"
+    assert spec.device.gemm_efficiency == compose("cluster=a100_80g_1node").cluster.device.gemm_efficiency
+    planner = Planner(Problem(shape_of(model), spec, batch, SOFTWARE[software]))
+    estimate = best_completion(planner, fixed)
+    assert estimate.fits, estimate.why_not
+    ranked = [e.layout.degrees for e in rank(planner.search())]
+    position = ranked.index(estimate.layout.degrees) + 1
+    assert position <= KNOWN_RANK.get(model, 5), (position, ranked[:8])
+    assert estimate.tflops_per_device == pytest.approx(reported, rel=0.15)
+
+
+def test_an_unfitting_layout_is_reported_with_the_reason() -> None:
+    planner = Planner(Problem(shape_of("gpt3_175b"), cluster_of("a100_80g_1node"), 64, SOFTWARE["megatron_2021"]))
+    estimate = best_completion(planner, dict(dp=8, tp=1, pp=1))
+    assert not estimate.fits and "GB per device" in estimate.why_not
+    assert not rank([estimate])
+
+
+def test_search_covers_a_1024_gpu_cluster() -> None:
+    """128 nodes x 8 GPUs, Llama 3 70B: thousands of layouts, every one of them runnable by the
+    strategy (ParallelConfig accepts it), the best fitting in memory."""
+    from lightning_3d.config import ParallelConfig
+
+    cfg = compose("model=llama3_70b", "cluster=h100_80g_64nodes", "data.global_batch_size=512", "trainer.precision=bf16-mixed")
+    from lightning_3d.planner import plan, problem_from_config
+
+    result = plan(problem_from_config(cfg, nodes=128))
+    assert result.searched > 1000 and result.ranked
+    for estimate in result.ranked[:20]:
+        kwargs = estimate.layout.strategy_kwargs(512, 80, estimate.split_points)
+        kwargs.pop("pipeline_partition", None)
+        config = ParallelConfig(**{**kwargs, "nvme_path": "/tmp" if estimate.layout.offload == "nvme" else None})
+        config.require_implemented()
+        assert config.check_world(1024, 8).world_size == 1024
+        assert estimate.memory["total"] < 80e9
+
+
+def test_lightning_3d_profile_prefers_its_features_when_they_pay() -> None:
+    """With sequence parallelism and selective recompute available, a 70B model on one H100 node
+    needs them (or ZeRO/offload) to fit at all; the old Megatron profile cannot fit it."""
+    cfg = compose("model=llama3_70b", "cluster=h100_80g_1node", "data.global_batch_size=64", "trainer.precision=bf16-mixed")
+    from lightning_3d.planner import plan, problem_from_config
+
+    ours = plan(problem_from_config(cfg)).ranked
+    assert ours and (ours[0].layout.zero_stage >= 1 or ours[0].layout.offload != "none")
+    assert not plan(problem_from_config(cfg, software="megatron_2021")).ranked
+
+
+# -- configs ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name", ["local_cpu", "a100_80g_1node", "h100_80g_1node", "h100_80g_64nodes", "h200_141g_1node", "jean_zay_bloom", "selene_mtnlg"]
+)
+def test_cluster_configs_load_and_cite_their_figures(name: str) -> None:
+    spec = cluster_of(name)
+    assert spec.world_size >= 8 and spec.device.peak_tflops > 0
+    text = (ROOT / "conf" / "cluster" / f"{name}.yaml").read_text()
+    assert "#" in text.split("name:")[0] or name == "local_cpu"  # a sourcing comment above the figures
+
+
+def test_published_cluster_figures() -> None:
+    bloom, selene = cluster_of("jean_zay_bloom"), cluster_of("selene_mtnlg")
+    assert (bloom.num_nodes, bloom.devices_per_node, bloom.inter_node_gb_per_s, bloom.cpu_ram_gb) == (48, 8, 50, 512)
+    assert (selene.num_nodes, selene.inter_node_gb_per_s) == (280, 200)
+    assert bloom.device.memory_gb == 80 and bloom.device.peak_tflops == 312
+
+
+def test_cluster_schema_names_a_wrong_key() -> None:
+    base = OmegaConf.to_container(compose("cluster=a100_80g_1node").cluster)
+    with pytest.raises(Exception, match="nvlnk_gb_per_s"):
+        load_cluster({**base, "nvlnk_gb_per_s": 300})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="launcher='mpi'"):
+        load_cluster({**base, "launcher": "mpi"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="devices_per_node=-1"):
+        load_cluster(compose("cluster=local_gpu").cluster)
+
+
+def test_parse_layout() -> None:
+    assert parse_layout("tp=4,pp=12,dp=8,mb=2,zero=1,sp=true,schedule=interleaved,v=2,recompute=full") == dict(
+        tp=4, pp=12, dp=8, micro_batch_size=2, zero_stage=1, sequence_parallel=True,
+        schedule="interleaved_1f1b", virtual_stages=2, recompute="full",
+    )
+    with pytest.raises(ValueError, match="tq=4"):
+        parse_layout("tq=4")
+    with pytest.raises(ValueError, match="must be an integer"):
+        parse_layout("tp=four")
+
+
+def test_layout_world_mismatch_is_explained() -> None:
+    planner = Planner(Problem(shape_of("bloom_176b"), cluster_of("jean_zay_bloom"), 2048))
+    with pytest.raises(ValueError, match="does not match the 384 devices"):
+        best_completion(planner, dict(dp=4, tp=4, pp=12))
+
+
+# -- the command -------------------------------------------------------------------------------------
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_3d.cli", "plan", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def test_plan_command_table_json_and_layout() -> None:
+    table = _plan("recipe=bloom_176b", "--top", "3")
+    assert table.returncode == 0, table.stderr
+    assert "jean_zay_bloom: 48 x 8 A100-SXM4-80GB" in table.stdout and "TFLOP/s" in table.stdout
+    assert len([line for line in table.stdout.splitlines() if line.strip()[:1].isdigit() and "|" in line]) == 3
+
+    as_json = _plan("recipe=bloom_176b", "--format", "json", "--top", "5")
+    rows = json.loads(as_json.stdout)
+    assert [r["rank"] for r in rows] == [1, 2, 3, 4, 5]
+    first = rows[0]
+    assert {"layout", "strategy", "memory_gib", "step_seconds", "tflops_per_device", "mfu"} <= set(first)
+    assert {"params", "grads", "optimizer", "activations", "total"} <= set(first["memory_gib"])
+    assert first["step_seconds"] <= rows[-1]["step_seconds"]
+    assert first["memory_gib"]["total"] < 80 / 1.073741824
+
+    one = _plan("recipe=bloom_176b", "--format", "json", "--software", "megatron_deepspeed_2022",
+                "--layout", "tp=4,pp=12,dp=8,mb=2,zero=1")
+    (row,) = json.loads(one.stdout)
+    assert row["layout"]["tp"] == 4 and row["layout"]["pp"] == 12 and row["fits"]
+    assert row["strategy"]["micro_batches"] == 128
+
+    bad = _plan("model=bloom_176b", "cluster=jean_zay_bloom", "--layout", "tp=3,pp=12,dp=8")
+    assert bad.returncode != 0 and "does not match the 384 devices" in bad.stderr
+
+
+def test_one_calibration_constant_per_device_model() -> None:
+    """Every A100 cluster uses the same device config, hence the same calibrated efficiency."""
+    for name in ("a100_80g_1node", "jean_zay_bloom", "selene_mtnlg"):
+        text = (ROOT / "conf" / "cluster" / f"{name}.yaml").read_text()
+        assert "gemm_efficiency" not in text
+        assert cluster_of(name).device.model == "A100-SXM4-80GB"
