@@ -1,0 +1,101 @@
+"""Named recipes: the full-size ones plan and validate against their clusters; their CPU-size
+variants train on 8 CPU ranks, with the planner's per-rank memory prediction checked against the
+run's measurement; ``parallel=auto`` trains with the planner's choice; SLURM submission composes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_3d.config import ParallelConfig
+from lightning_3d.planner import Planner, problem_from_config
+from lightning_3d.planner.apply import layout_of, strategy_keywords
+from lightning_3d.recipe import compose_config
+from tests.test_launchers import _run
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL = {
+    "bloom_176b": {"dp": 8, "tp": 4, "pp": 12},
+    "mt_nlg_530b": {"dp": 8, "tp": 8, "pp": 35},
+    "gpt3_175b": {"dp": 16, "tp": 4, "pp": 8},
+    "llama3_70b": {"dp": 64, "tp": 8, "pp": 1},
+}
+TINY = {
+    "bloom_176b_tiny": {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1},
+    "mt_nlg_530b_tiny": {"dp": 1, "tp": 2, "pp": 4, "zero_stage": 1},
+    "gpt3_175b_tiny": {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1},
+    "llama3_70b_tiny": {"dp": 4, "tp": 2, "pp": 1, "zero_stage": 1},
+}
+SHORT_RUN = [
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.enable_progress_bar=false",
+    "data.max_bytes=300000",
+]
+
+
+@pytest.mark.parametrize("recipe", sorted(FULL))
+def test_full_recipe_is_a_valid_plan_that_fits(recipe: str) -> None:
+    """The strategy accepts the recipe's layout for its cluster, and the planner says it fits."""
+    cfg = compose_config([f"recipe={recipe}"])
+    world = cfg.cluster.num_nodes * cfg.cluster.devices_per_node
+    config = ParallelConfig(**strategy_keywords(cfg.parallel))
+    config.require_implemented()
+    dims = config.check_world(world, cfg.cluster.devices_per_node)
+    assert {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp} == FULL[recipe]
+    problem = problem_from_config(cfg, global_batch=cfg.data.global_batch_size * cfg.trainer.accumulate_grad_batches)
+    estimate = Planner(problem).evaluate(layout_of(cfg, world))
+    assert estimate.fits, estimate.why_not
+    assert 0.2 < estimate.mfu < 0.7
+
+
+def _summary(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _check_memory(summary: dict) -> None:
+    memory = summary["memory_per_rank_bytes"]
+    measured, predicted = memory["measured_max_rank"], memory["predicted"]
+    assert measured["activations"] > 0 and measured["params"] > 0
+    assert measured["total"] == pytest.approx(predicted["total"], rel=0.15), memory
+
+
+@pytest.mark.parametrize("recipe", sorted(TINY))
+def test_tiny_recipe_trains_and_memory_matches_the_plan(tmp_path: Path, recipe: str) -> None:
+    proc = _run([sys.executable, str(ROOT / "recipes" / "train.py"), f"recipe={recipe}", *SHORT_RUN, f"hydra.run.dir={tmp_path}"], tmp_path)
+    summary = _summary(proc.stdout)
+    assert summary["layout"] == TINY[recipe] and summary["steps"] == 2
+    assert math.isfinite(summary["train_loss"]) and summary["train_loss"] < 6.0
+    _check_memory(summary)
+
+
+def test_parallel_auto_trains_with_the_planners_layout(tmp_path: Path) -> None:
+    proc = _run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), "parallel=auto", "cluster.devices_per_node=2", *SHORT_RUN, f"hydra.run.dir={tmp_path}"],
+        tmp_path,
+    )
+    summary = _summary(proc.stdout)
+    planned = summary["planned"]["layout"]
+    used = summary["layout"]
+    assert f"dp={used['dp']} tp={used['tp']} pp={used['pp']}" in planned and f"zero={used['zero_stage']}" in planned
+    _check_memory(summary)
+
+
+def test_slurm_launcher_takes_its_sizes_from_the_cluster() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["recipe=bloom_176b", "hydra/launcher=slurm"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        launcher = cfg.hydra.launcher
+        assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+        assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (48, 8, 8)
+    from hydra.utils import get_class
+
+    assert get_class(launcher._target_).__name__ == "SlurmLauncher"
