@@ -324,3 +324,17 @@ def checkpoint_8rank(steps: int, repeats: int) -> dict[str, Any]:
     from checkpoint_cases import checkpoint_cost
 
     return checkpoint_cost(steps, repeats)
+
+
+@case
+def planner_search_speed(steps: int, repeats: int) -> dict[str, Any]:
+    from planner_cases import search_speed
+
+    return search_speed(repeats)
+
+
+@case
+def planner_validation(steps: int, repeats: int) -> dict[str, Any]:
+    from planner_cases import validation
+
+    return validation()
