@@ -7,6 +7,7 @@ makes it importable and testable without Hydra's process handling.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.strategy import ThreeDParallelStrategy
 
 
+log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -117,9 +119,13 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
     if planned is not None:
         summary["planned"] = {"layout": planned.layout.short(), "predicted_step_seconds": round(planned.step_seconds, 4)}
     measured = [r for r in probe.per_rank if r.get("total")]
-    if measured:
+    try:  # clusters for running only (local_gpu: "all visible GPUs") have nothing to plan with
+        predicted = predicted_memory(cfg, trainer.world_size) if measured else None
+    except ValueError as err:
+        log.info("lightning_3d: no memory prediction for this run: %s", err)
+        predicted = None
+    if measured and predicted is not None:
         keys = ("params", "grads", "optimizer", "activations")
-        predicted = predicted_memory(cfg, trainer.world_size)
         worst = max(measured, key=lambda r: r["total"])
         summary["memory_per_rank_bytes"] = {
             "measured_max_rank": {k: int(worst[k]) for k in (*keys, "total")},

@@ -79,12 +79,14 @@ def problem_from_config(
     precision: Optional[str] = None,
     cross_node_tp: bool = False,
 ) -> Problem:
-    """The planning problem a composed recipe config describes (model, cluster, batch, precision)."""
+    """The planning problem a composed recipe config describes (model, cluster, precision, and the
+    global batch: ``data.global_batch_size x trainer.accumulate_grad_batches`` sequences per step)."""
     if software not in SOFTWARE:
         raise ValueError(f"software={software!r}: choose one of {sorted(SOFTWARE)}.")
     model_cfg: Any = OmegaConf.to_container(cfg.model, resolve=True)
     cluster = with_nodes(load_cluster(cfg.cluster), nodes)
-    batch = global_batch or int(cfg.data.global_batch_size)
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+    batch = global_batch or int(cfg.data.global_batch_size) * accumulate
     trainer_precision = str(precision or cfg.trainer.get("precision", "bf16-mixed"))
     if trainer_precision not in PLANNER_PRECISION:
         raise ValueError(f"precision={trainer_precision!r}: the planner knows {sorted(PLANNER_PRECISION)}.")
