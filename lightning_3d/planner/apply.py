@@ -3,28 +3,18 @@ the layout a recipe runs (for the summary's predicted-vs-measured check)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_3d.config import ParallelConfig
 from lightning_3d.pipeline.runtime import default_micro_batches
 from lightning_3d.planner import Estimate, Layout, Planner, plan, problem_from_config
 
-# ``cfg.parallel`` keys the planner decides; the others (timeout, nvme_path, ...) are kept.
-PLANNED_KEYS = (
-    "data_parallel",
-    "tensor_parallel",
-    "pipeline_parallel",
-    "zero_stage",
-    "sequence_parallel",
-    "pipeline_schedule",
-    "micro_batches",
-    "virtual_stages",
-    "activation_checkpointing",
-    "offload_optimizer",
-    "offload_params",
-    "pipeline_partition",
-)
+# ``cfg.parallel`` keys the planner decides (the others -- timeout, nvme_path, ... -- are kept):
+# exactly what a layout sets, pipeline split points included.
+PLANNED_KEYS = tuple(Layout(dp=1, tp=1, pp=1).strategy_kwargs(global_batch=1, layers=1, split_points=[1]))
 NOT_STRATEGY_KEYS = ("auto", "software")
 
 
@@ -71,41 +61,32 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
 
 
 def layout_of(cfg: DictConfig, world_size: int) -> Layout:
-    """The :class:`Layout` a recipe config runs, resolved against the world size."""
-    par = cfg.parallel
-    tp, pp = int(par.tensor_parallel), int(par.pipeline_parallel)
-    dp = world_size // (tp * pp) if par.data_parallel in (None, "auto") else int(par.data_parallel)
-    per_replica = int(cfg.data.global_batch_size) // dp
-    schedule = str(par.get("pipeline_schedule", "1f1b")).replace("interleaved", "interleaved_1f1b").replace("_1f1b_1f1b", "_1f1b")
-    if pp > 1:
-        m = int(par.micro_batches) if par.get("micro_batches") else default_micro_batches(per_replica, pp, schedule)
-    else:
-        m = 1
-    recompute = par.get("activation_checkpointing") or "none"
-    offload = par.get("offload_params") if int(par.zero_stage) == 3 else par.get("offload_optimizer")
+    """The :class:`Layout` a recipe config runs, read through the strategy's own validation."""
+    config = ParallelConfig(**strategy_keywords(cfg.parallel))
+    dims = config.dims.resolve(world_size)
+    per_replica = int(cfg.data.global_batch_size) // dims.dp
+    m = 1
+    if dims.pp > 1:
+        m = config.micro_batches or default_micro_batches(per_replica, dims.pp, config.pipeline_schedule)
+    zero3 = config.zero_stage == 3
     return Layout(
-        dp=dp,
-        tp=tp,
-        pp=pp,
+        dp=dims.dp,
+        tp=dims.tp,
+        pp=dims.pp,
         micro_batch_size=per_replica // m,
-        schedule=schedule if pp > 1 else "1f1b",
-        virtual_stages=int(par.get("virtual_stages", 1) or 1),
-        zero_stage=int(par.zero_stage),
-        sequence_parallel=bool(par.get("sequence_parallel", False)),
-        recompute="full" if recompute is True else str(recompute),
-        offload=str(offload or "none"),
+        schedule=config.pipeline_schedule if dims.pp > 1 else "1f1b",
+        virtual_stages=config.virtual_stages,
+        zero_stage=config.zero_stage,
+        sequence_parallel=config.sequence_parallel,
+        recompute=str(config.activation_checkpointing),
+        offload=str(config.offload_params if zero3 else config.offload_optimizer),
     )
 
 
 def predicted_memory(cfg: DictConfig, world_size: int) -> dict[str, float]:
     """Bytes per device the planner predicts for the layout ``cfg`` runs (max over stages)."""
-    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
     layout = layout_of(cfg, world_size)
-    problem = problem_from_config(cfg, global_batch=int(cfg.data.global_batch_size) * accumulate)
-    if problem.cluster.world_size != world_size:
-        from dataclasses import replace
-
+    problem = problem_from_config(cfg)
+    if problem.cluster.world_size != world_size:  # e.g. cluster.devices_per_node overridden to 2
         problem = replace(problem, cluster=replace(problem.cluster, devices_per_node=world_size, num_nodes=1))
-    # one loader batch is one micro-batch group; accumulation repeats it
-    layout = Layout(**{**layout.__dict__})
     return Planner(problem).evaluate(layout).memory
