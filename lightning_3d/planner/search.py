@@ -52,6 +52,7 @@ class Software:
     p2p_scatter_gather: bool = False  # each tp rank sends 1/t of a stage's output (Megatron-LM)
     balanced_stages: bool = True  # give the head's stage fewer layers (Megatron-LM 2021 splits layers evenly)
     uneven_stages: bool = True  # pp x v need not divide the layers (Megatron-LM 2021 requires it)
+    interleaved_min_stages: int = 2  # Megatron-LM refuses virtual stages unless pp > 2
 
 
 SOFTWARE: dict[str, Software] = {
@@ -71,6 +72,7 @@ SOFTWARE: dict[str, Software] = {
         p2p_scatter_gather=True,
         balanced_stages=False,
         uneven_stages=False,
+        interleaved_min_stages=3,
     ),
     # Megatron-DeepSpeed as used for BLOOM-176B and MT-NLG 530B: ZeRO-1 optional, DeepSpeed's
     # 1F1B pipeline (no interleaving), unfused attention, full recomputation.
@@ -416,7 +418,7 @@ class Planner:
         schedules: list[tuple[str, int]] = [("1f1b", 1)]
         if pp > 1:
             schedules = [(s, 1) for s in sw.schedules if s != "interleaved_1f1b"]
-            if "interleaved_1f1b" in sw.schedules:
+            if "interleaved_1f1b" in sw.schedules and pp >= sw.interleaved_min_stages:
                 schedules += [("interleaved_1f1b", v) for v in range(2, 9) if model.n_layer % (pp * v) == 0]
         sps = [s for s in sw.sequence_parallel if not s or (t > 1 and model.seq_len % t == 0)]
         for mb in sizes:
