@@ -272,7 +272,7 @@ def test_search_covers_a_1024_gpu_cluster() -> None:
     result = plan(problem_from_config(cfg, nodes=128))
     assert result.searched > 1000 and result.ranked
     for estimate in result.ranked[:20]:
-        kwargs = estimate.layout.strategy_kwargs(512, 80, estimate.split_points)
+        kwargs = estimate.layout.strategy_kwargs(512, estimate.split_points)
         kwargs.pop("pipeline_partition", None)
         config = ParallelConfig(**{**kwargs, "nvme_path": "/tmp" if estimate.layout.offload == "nvme" else None})
         config.require_implemented()

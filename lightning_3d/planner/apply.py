@@ -14,7 +14,7 @@ from lightning_3d.planner import Estimate, Layout, Planner, plan, problem_from_c
 
 # ``cfg.parallel`` keys the planner decides (the others -- timeout, nvme_path, ... -- are kept):
 # exactly what a layout sets, pipeline split points included.
-PLANNED_KEYS = tuple(Layout(dp=1, tp=1, pp=1).strategy_kwargs(global_batch=1, layers=1, split_points=[1]))
+PLANNED_KEYS = tuple(Layout(dp=1, tp=1, pp=1).strategy_kwargs(global_batch=1, split_points=[1]))
 NOT_STRATEGY_KEYS = ("auto", "software")
 
 
@@ -34,9 +34,9 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
     if not cfg.parallel.get("auto", False):
         return cfg, None
     cfg = cfg.copy()
-    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
-    global_batch = int(cfg.data.global_batch_size) * accumulate
-    result = plan(problem_from_config(cfg, software=str(cfg.parallel.get("software", "lightning_3d")), global_batch=global_batch))
+    problem = problem_from_config(cfg, software=str(cfg.parallel.get("software", "lightning_3d")))
+    global_batch = problem.global_batch
+    result = plan(problem)
     usable = [e for e in result.ranked if e.layout.offload != "nvme" or cfg.parallel.get("nvme_path")]
     if not usable:
         raise ValueError(
@@ -44,7 +44,7 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
             f"add nodes or use a smaller model (lightning-3d plan ... shows why)."
         )
     best = usable[0]
-    kwargs = best.layout.strategy_kwargs(global_batch, int(cfg.model.n_layer), best.split_points)
+    kwargs = best.layout.strategy_kwargs(global_batch, best.split_points)
     m = best.layout.micro_batches(global_batch)
     with open_dict(cfg):
         for key in PLANNED_KEYS:

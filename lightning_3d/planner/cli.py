@@ -138,8 +138,7 @@ def plan_main(argv: list[str]) -> int:
         result = plan(problem, all_layouts=args.all)
     rows = result.ranked[: max(1, args.top)] if not args.layout else result.ranked
     if args.format == "json":
-        layers = problem.model.n_layer
-        print(json.dumps([dict(rank=i, **e.to_dict(problem.global_batch, layers)) for i, e in enumerate(rows, 1)], indent=1))
+        print(json.dumps([dict(rank=i, **e.to_dict(problem.global_batch)) for i, e in enumerate(rows, 1)], indent=1))
     else:
         print(format_table(problem, rows, result.searched, result.seconds))
     return 0 if rows else 1

@@ -124,7 +124,7 @@ class Layout:
             parts.append(f"offload={self.offload}")
         return " ".join(parts)
 
-    def strategy_kwargs(self, global_batch: int, layers: int, split_points: Optional[list[int]] = None) -> dict[str, Any]:
+    def strategy_kwargs(self, global_batch: int, split_points: Optional[list[int]] = None) -> dict[str, Any]:
         """``ThreeDParallelStrategy`` keywords (``cfg.parallel``) that run this layout."""
         out: dict[str, Any] = {
             "data_parallel": self.dp,
@@ -159,11 +159,11 @@ class Estimate:
     tokens_per_second: float
     split_points: list[int] = field(default_factory=list)
 
-    def to_dict(self, global_batch: int, layers: int) -> dict[str, Any]:
+    def to_dict(self, global_batch: int) -> dict[str, Any]:
         gib = 1 / 2**30
         return {
             "layout": asdict(self.layout),
-            "strategy": self.layout.strategy_kwargs(global_batch, layers, self.split_points),
+            "strategy": self.layout.strategy_kwargs(global_batch, self.split_points),
             "micro_batches": self.layout.micro_batches(global_batch),
             "fits": self.fits,
             "why_not": self.why_not or None,
