@@ -254,6 +254,32 @@ def test_megatron_interleaves_only_beyond_two_stages() -> None:
         assert (2 in stages) == interleaves_two and {4, 8} <= stages, (name, sorted(stages))
 
 
+# Independent evidence on the 18.4B disagreement: GPT-NeoX-20B (Black et al. 2022, section 2.3 and
+# EleutherAI/gpt-neox configs/20B.yml) was tuned on 12 nodes of 8 A100-SXM4-40GB (NVSwitch, four
+# 200 Gb/s HDR adapters per node) with DeepSpeed's pipeline engine and chose tp2 x pp4 x dp12,
+# micro-batch 4 x 32 accumulation steps (batch 1536), ZeRO-1, full recompute -- not tp 8.
+# 44 layers, hidden 6144, 64 heads, untied embeddings, rotary, vocab padded to 50432. Its
+# parallel attention + MLP block is not modelled (it saves one all-reduce per layer).
+NEOX_20B = ModelShape(
+    n_layer=44, hidden=6144, n_head=64, n_kv_head=64, ffn=4 * 6144, vocab=50432, seq_len=2048,
+    tied_embeddings=False, learned_positions=False,
+)
+
+
+def test_gpt_neox_20b_layout_ranks_near_the_top_on_its_cluster() -> None:
+    a100 = cluster_of("a100_80g_1node")
+    # A100 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; same tensor-core peak (the A100 constant).
+    device = replace(a100.device, model="A100-SXM4-40GB", memory_gb=40, memory_bandwidth_gb_per_s=1555)
+    cluster = replace(a100, name="eleuther_neox", num_nodes=12, device=device, inter_node_gb_per_s=4 * 25.0)
+    planner = Planner(Problem(NEOX_20B, cluster, 1536, SOFTWARE["megatron_deepspeed_2022"], precision="16-mixed"))
+    ranked = [e.layout.degrees for e in rank(planner.search())]
+    published = best_completion(planner, dict(dp=12, tp=2, pp=4, micro_batch_size=4, zero_stage=1))
+    node_wide_tp = best_completion(planner, dict(dp=12, tp=8, pp=1))
+    assert published.fits and node_wide_tp.fits
+    assert ranked.index(published.layout.degrees) + 1 <= 3, ranked[:8]
+    assert published.tflops_per_device > 1.1 * node_wide_tp.tflops_per_device
+
+
 def test_an_unfitting_layout_is_reported_with_the_reason() -> None:
     planner = Planner(Problem(shape_of("gpt3_175b"), cluster_of("a100_80g_1node"), 64, SOFTWARE["megatron_2021"]))
     estimate = best_completion(planner, dict(dp=8, tp=1, pp=1))
