@@ -52,7 +52,7 @@ class Software:
     p2p_scatter_gather: bool = False  # each tp rank sends 1/t of a stage's output (Megatron-LM)
     balanced_stages: bool = True  # give the head's stage fewer layers (Megatron-LM 2021 splits layers evenly)
     uneven_stages: bool = True  # pp x v need not divide the layers (Megatron-LM 2021 requires it)
-    interleaved_min_stages: int = 2  # Megatron-LM refuses virtual stages unless pp > 2
+    interleaved_min_stages: int = 2  # fewest pipeline stages that may interleave (Megatron-LM: 3)
 
 
 SOFTWARE: dict[str, Software] = {
