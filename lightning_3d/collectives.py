@@ -35,3 +35,24 @@ def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup, src: int
     tensors = [t for t in [*module.parameters(), *module.buffers()] if not hasattr(t, "device_mesh")]
     unique = list({id(t): t for t in tensors}.values())
     broadcast_tensors(unique, group, src)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def broadcast_tensor_parallel_replicas(module: nn.Module, group: dist.ProcessGroup, src: int) -> None:
+    """Make the tensors every tensor-parallel rank holds whole (norms, position embeddings, row-parallel
+    biases, buffers) identical to ``src``'s, as ``distribute_tensor(..., Replicate())`` would: a user who
+    seeds per rank must not get replicas that drift apart. Tensor-parallel shards are left alone; under
+    ZeRO-3 the local chunks are exchanged (tp peers chunk a replicated tensor alike)."""
+    if dist.get_world_size(group) == 1:
+        return
+    from lightning_3d.tensor_parallel.spec import get_spec
+
+    def replicated(t: Tensor) -> bool:
+        spec = get_spec(t)
+        return spec is None or not spec.is_sharded
+
+    tensors = [_local(t) for t in [*module.parameters(), *module.buffers()] if replicated(t)]
+    broadcast_tensors(list({id(t): t for t in tensors}.values()), group, src)

@@ -232,6 +232,15 @@ class ThreeDPrecision(Precision):
         for p in {id(p): p for p in params if p.grad is not None}.values():
             _local(p.grad).detach().mul_(scale.to(_local(p.grad).device))
 
+    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        """Element-wise, so local: the ZeRO optimizer clamps its reduced slices (``p.grad`` is ``None``
+        there after reduction); otherwise each gradient (or its local shard) is clamped."""
+        if hasattr(optimizer, "clip_grad_value_"):
+            optimizer.clip_grad_value_(clip_val)
+            return
+        for p in {id(p): p for p in _params(optimizer) if p.grad is not None}.values():
+            _local(p.grad).detach().clamp_(-clip_val, clip_val)
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"precision": self.precision}
         if self.scaler is not None:

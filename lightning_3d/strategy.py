@@ -54,7 +54,7 @@ from lightning_3d.checkpoint.consolidated import (
     shard_state_dict,
 )
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
-from lightning_3d.collectives import broadcast_module_state
+from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
@@ -278,7 +278,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
         self._rng_tracker = RNGStatesTracker(self.root_device.type)
-        seed_tracker(self._rng_tracker, self._topology.tp_rank)
+        seed_tracker(self._rng_tracker, self._topology.tp_rank, self._topology.pp_rank)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._topology.mesh
         log.info("lightning_3d: %r", self._topology)
@@ -320,7 +320,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
             )
         if not on_meta:  # a meta model is materialized shard by shard by ZeRO-3 below
             self.model_to_device()
-            broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank())
+            self._synchronize_replicas()
         self._point_metrics_at_dp_group()
         if self._zero is None:
             self._zero = ZeroCoordinator(
@@ -334,6 +334,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
                 nvme_path=self.config.nvme_path,
             )
         self._zero.prepare_module(self.model, self.root_device)
+        if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks must agree
+            broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank())
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers = self._zero.wrap_optimizers(self.model, self.optimizers)
@@ -343,6 +345,17 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _synchronize_replicas(self) -> None:
+        """Every copy of one weight starts equal, whatever the user seeded on each rank: tensors that
+        tensor-parallel ranks hold whole come from tp rank 0, the last pipeline stage's copy of a tied
+        embedding from the first stage, and each model replica from data-parallel rank 0."""
+        assert self.model is not None
+        topo = self.topology
+        broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank())
+        for runtime in self._pipelines:
+            runtime.broadcast_tied()
+        broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank())
 
     def memory_report(self) -> dict[str, Any]:
         """Per-rank bytes of parameters, gradients, master weights and optimizer state, with the
@@ -394,6 +407,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
                 self.topology,
                 config,
                 grad_sync_blocker=lambda: self.block_backward_sync(),
+                rng_tracker=self._rng_tracker,
                 loss_scale=lambda: precision.scaler.scale if getattr(precision, "scaler", None) else 1.0,
             )
             for _, model, sequence in found
@@ -454,7 +468,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
             return {}
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        state = optimizer.state_dict() if isinstance(optimizer, ZeroOptimizer) else full_optimizer_state(optimizer)
+        state = optimizer.dense_state_dict() if isinstance(optimizer, ZeroOptimizer) else full_optimizer_state(optimizer)
         assert self.lightning_module is not None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         state = keyed_by_name(state, params, parameter_names(self.lightning_module))
@@ -486,10 +500,14 @@ class ThreeDParallelStrategy(ParallelStrategy):
         source = checkpoint["state_dict"]
         dense = {k: source[k] for k in module.state_dict().keys() if k in source}  # other stages' layers skipped
         module.load_state_dict(shard_state_dict(module, dense), strict=strict)
-        if self.precision_plugin.mixed:  # the fp32 masters (built in setup, or later) get full precision
+        zero = self._zero
+        built = zero is not None and bool(zero.zero_optimizers)
+        # Masters that are a copy (mixed precision: fp32; offload: host or NVMe) must be loaded too, or
+        # the first step would copy the stale master over the loaded weights.
+        if (built and zero.separate_masters) or (not built and (self.precision_plugin.mixed or self.config.offload_optimizer != "none")):
             by_param = {id(p): dense[n] for n, p in module.named_parameters() if n in dense}
-            if self._zero is not None and self._zero.zero_optimizers:
-                self._zero.load_dense_master_weights(by_param)
+            if built:
+                zero.load_dense_master_weights(by_param)
             else:
                 self._pending_master = by_param
 

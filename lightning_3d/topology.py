@@ -200,6 +200,14 @@ class Topology:
         """Global rank of dp-rank 0 in this rank's dp group (the source for replica broadcasts)."""
         return self.dims.rank_of(self.coords._replace(dp=0))
 
+    def tp_source_rank(self) -> int:
+        """Global rank of tp-rank 0 in this rank's tp group (the source of tensor-parallel replicas)."""
+        return self.dims.rank_of(self.coords._replace(tp=0))
+
+    def first_stage_rank(self) -> int:
+        """Global rank of the first pipeline stage at this rank's (dp, tp) position."""
+        return self.dims.rank_of(self.coords._replace(pp=0))
+
     def __repr__(self) -> str:
         c = self.coords
         return f"Topology({self.dims}, rank={self.rank}: pp={c.pp} dp={c.dp} tp={c.tp})"

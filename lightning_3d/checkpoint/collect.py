@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,15 +39,6 @@ def _row_chunk(t: Tensor, topology: Topology) -> tuple[int, int]:
     return first * row_size, last * row_size
 
 
-def _overlaps(bucket: _Bucket) -> Iterator[tuple[int, int, int]]:
-    """(param index, flat start in param, flat end in param) of the bucket's slice on this rank."""
-    lo_slice, hi_slice = bucket.shard_start, bucket.shard_start + bucket.shard_size
-    for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets)):
-        lo, hi = max(off, lo_slice), min(off + p.numel(), hi_slice)
-        if lo < hi:
-            yield i, lo - off, hi - off
-
-
 def _zero_index(optimizers: list[Any]) -> dict[int, tuple[ZeroOptimizer, int, _Bucket]]:
     index = {}
     for opt in optimizers:
@@ -58,12 +49,9 @@ def _zero_index(optimizers: list[Any]) -> dict[int, tuple[ZeroOptimizer, int, _B
     return index
 
 
-def _writes_whole(zero: Optional[ZeroOptimizer], topology: Topology) -> bool:
-    return topology.dp_rank == 0 and (zero is None or zero.stage == 0)
-
-
 def collect_model(shard: RankShard, module: nn.Module, optimizers: list[Any], topology: Topology) -> None:
     zero = _zero_index(optimizers)
+    masters: dict[tuple[int, int], Tensor] = {}  # one read per bucket (NVMe masters come from a file)
     state = module.state_dict(keep_vars=True)
     seen: set[int] = set()
     for name, value in state.items():
@@ -75,12 +63,13 @@ def collect_model(shard: RankShard, module: nn.Module, optimizers: list[Any], to
             opt, slot, bucket = zero[id(value)]
             if opt.stage == 0 and topology.dp_rank != 0:
                 continue
-            master = opt._master_of(slot, bucket)
-            i = next(k for k, p in enumerate(bucket.params) if p is value)
-            for j, lo, hi in _overlaps(bucket):
-                if j == i:
-                    base = bucket.offsets[i] - bucket.shard_start
-                    shard.add("model", name, tp, list(value.shape), lo, hi, master[base + lo : base + hi])
+            key = (id(opt), slot)
+            if key not in masters:
+                masters[key] = opt._master_of(slot, bucket)
+            master = masters[key]
+            for segment in bucket.segments:
+                if bucket.params[segment.index] is value:
+                    shard.add("model", name, tp, list(value.shape), segment.start, segment.end, segment.of(master))
         elif _is_dtensor(value):
             lo, hi = _row_chunk(value, topology)
             shard.add("model", name, tp, list(value.shape), lo, hi, value.to_local())
@@ -91,23 +80,33 @@ def collect_model(shard: RankShard, module: nn.Module, optimizers: list[Any], to
 def collect_optimizer(shard: RankShard, index: int, optimizer: Any, names: dict[int, list[str]], topology: Topology) -> None:
     """Pieces of optimizer ``index``'s per-parameter state, and its scalars."""
     scalars: dict[str, dict[str, Any]] = {}
+    kind = f"optim/{index}/"
+
+    def add_other(name: str, key: str, value: Any) -> None:
+        """Scalars go to the manifest; a tensor shaped unlike its parameter (Adafactor's factored
+        moments; only where parameters are whole, see zero/optimizer_kinds.py) is stored whole."""
+        if isinstance(value, Tensor) and value.dim() > 0 and not _is_dtensor(value):
+            if topology.dp_rank == 0:
+                shape = list(value.shape)
+                shard.add(kind + key, name, spec_record(None, tuple(shape)), shape, 0, value.numel(), value)
+        else:
+            scalars.setdefault(name, {})[key] = _plain(value)
+
     if isinstance(optimizer, ZeroOptimizer):
         for slot, bucket in enumerate(optimizer.buckets):
             if optimizer.stage == 0 and topology.dp_rank != 0:
                 continue
-            state = optimizer._inner_state(slot, bucket)
-            for i, lo, hi in _overlaps(bucket):
-                p = bucket.params[i]
+            for segment, state in optimizer.segment_states(slot, bucket):
+                p = bucket.params[segment.index]
                 if getattr(p, "pipeline_duplicate", False):
                     continue
                 name = names[id(p)][0]
                 tp = spec_record(get_spec(p), tuple(p.shape))
-                base = bucket.offsets[i] - bucket.shard_start
                 for key, value in state.items():
-                    if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_size:
-                        shard.add(f"optim/{index}/{key}", name, tp, list(p.shape), lo, hi, value[base + lo : base + hi])
+                    if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == segment.numel:
+                        shard.add(kind + key, name, tp, list(p.shape), segment.start, segment.end, value)
                     else:
-                        scalars.setdefault(name, {})[key] = _plain(value)
+                        add_other(name, key, value)
     else:
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -120,11 +119,11 @@ def collect_optimizer(shard: RankShard, index: int, optimizer: Any, names: dict[
                     if isinstance(value, Tensor) and value.shape == p.shape and value.dim() > 0:
                         if _is_dtensor(value):
                             lo, hi = _row_chunk(value, topology)
-                            shard.add(f"optim/{index}/{key}", name, tp, list(p.shape), lo, hi, value.to_local())
+                            shard.add(kind + key, name, tp, list(p.shape), lo, hi, value.to_local())
                         elif topology.dp_rank == 0:
-                            shard.add(f"optim/{index}/{key}", name, tp, list(p.shape), 0, value.numel(), value)
+                            shard.add(kind + key, name, tp, list(p.shape), 0, value.numel(), value)
                     else:
-                        scalars.setdefault(name, {})[key] = _plain(value)
+                        add_other(name, key, value)
     shard.scalars[f"optim/{index}"] = scalars
 
 

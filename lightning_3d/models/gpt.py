@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 
 MLPS = ("gelu", "swiglu")
+IGNORE_INDEX = -100  # targets equal to this are masked out of the loss (padding, prompts)
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 
@@ -244,15 +245,20 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer), zero biases."""
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer), zero biases.
+
+        Modules are recognized by what they are (linear maps have ``in_features``/``out_features``,
+        embeddings ``num_embeddings``), not by class, so the same init applies when a parallelism
+        plan has swapped a layer for one holding a shard (meta-device init under ZeRO-3).
+        """
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
+            if hasattr(module, "in_features") and hasattr(module, "out_features"):
                 std = residual_std if name.endswith(("o_proj", "mlp.proj", "mlp.down_proj")) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
+                if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
+            elif hasattr(module, "num_embeddings"):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
@@ -271,14 +277,16 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def head(self, x: Tensor, targets: Optional[Tensor] = None) -> Tensor:
-        """Final norm and LM head: logits, or the mean cross-entropy when ``targets`` is given."""
+        """Final norm and LM head: logits, or the mean cross-entropy over the targets that are not
+        ``IGNORE_INDEX`` when ``targets`` is given."""
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return self.loss_fn(logits.flatten(0, 1), targets.flatten())
+        return self.loss_fn(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
     def forward(self, input_ids: Tensor, targets: Optional[Tensor] = None) -> Tensor:
-        """Logits ``(B, T, vocab)``, or the mean cross-entropy when ``targets`` is given."""
+        """Logits ``(B, T, vocab)``, or the mean cross-entropy when ``targets`` is given (entries equal
+        to ``IGNORE_INDEX`` are masked)."""
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x)

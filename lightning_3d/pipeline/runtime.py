@@ -25,6 +25,7 @@ from lightning_3d.pipeline.partition import Method, describe, partition
 from lightning_3d.pipeline.schedules import Action, build_schedule, peer_of
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.tensor_parallel.plans import shared_parameters
+from lightning_3d.tensor_parallel.random import PIPELINE_STAGE_RNG, RNGStatesTracker
 from lightning_3d.topology import Topology
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -67,18 +68,28 @@ def default_micro_batches(batch: int, p: int, schedule: str) -> int:
     return batch
 
 
+@dataclass
+class _Stash:
+    """The gradients one training forward call produced, until its loss's backward hands them over
+    (each call has its own: a step may run the pipeline twice before calling backward)."""
+
+    runtime: "PipelineRuntime"
+    grads: dict[int, Optional[Tensor]]
+
+
 class _DeferredGradients(torch.autograd.Function):
-    """forward: the batch loss; backward: this stage's gradients from the schedule, scaled by the
+    """forward: the batch loss; backward: this call's gradients from the schedule, scaled by the
     incoming gradient (Lightning's accumulation normalization, the fp16 loss scale)."""
 
     @staticmethod
-    def forward(ctx: Any, loss: Tensor, runtime: "PipelineRuntime", *params: Tensor) -> Tensor:
-        ctx.runtime = runtime
+    def forward(ctx: Any, loss: Tensor, stash: _Stash, *params: Tensor) -> Tensor:
+        ctx.stash = stash
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        return (None, None, *ctx.runtime.release_gradients(grad))
+        stash = ctx.stash
+        return (None, None, *stash.runtime.release_gradients(grad, stash))
 
 
 class PipelineRuntime:
@@ -90,11 +101,13 @@ class PipelineRuntime:
         config: PipelineConfig,
         grad_sync_blocker: Callable[[], ContextManager[Any]] = nullcontext,
         loss_scale: Callable[[], float] = lambda: 1.0,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ) -> None:
         self.model, self.sequence, self.topology, self.config = model, sequence, topology, config
         self.p, self.rank = topology.dims.pp, topology.pp_rank
         self.pieces = self.p * config.virtual_stages
         self.grad_sync_blocker, self.loss_scale = grad_sync_blocker, loss_scale
+        self.rng_tracker = rng_tracker
         weights = self._layer_weights() if config.partition == "parameters" else ()
         self.ranges = partition(len(sequence.blocks), self.pieces, config.partition, weights)
         self.layout = describe(self.ranges, self.p)
@@ -102,7 +115,6 @@ class PipelineRuntime:
         self.tied_groups: list[list[str]] = []  # dense-model names of weights tied across first and last stage
         self._prune()
         self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
-        self._stash: dict[int, Optional[Tensor]] = {}
         self._schedules: dict[tuple[int, bool], list[Action]] = {}
         self._described: dict[tuple[tuple, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self.last_step = StepStats()
@@ -155,6 +167,14 @@ class PipelineRuntime:
                 if not self.owns_first:
                     param.pipeline_duplicate = True  # type: ignore[attr-defined]  (counted once, on the first stage)
 
+    def broadcast_tied(self) -> None:
+        """The last stage's copy of a tied weight starts as the first stage's: they are one weight."""
+        if not self.tied:
+            return
+        group = self.topology.embedding_group()
+        for p in self.tied:
+            dist.broadcast(p.data, self.topology.first_stage_rank(), group)
+
     # -- one forward call ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         batch = self.sequence.inputs(args, kwargs)
@@ -169,13 +189,8 @@ class PipelineRuntime:
 
     def _micro_batches(self, size: int) -> int:
         m = self.config.micro_batches or default_micro_batches(size, self.p, self.config.schedule)
-        if size < m:  # an uneven last batch smaller than the micro-batch count
-            m = default_micro_batches(size, self.p, self.config.schedule) if self.config.schedule != "interleaved_1f1b" else m
-        if self.config.schedule == "interleaved_1f1b" and (m % self.p or size < m):
-            raise ValueError(
-                f"the interleaved schedule needs a multiple of pipeline_parallel={self.p} micro-batches of at least "
-                f"one sample; a batch of {size} split into {m} is not possible. Use a batch that {m} divides."
-            )
+        if size < m:  # a ragged last batch smaller than the micro-batch count (every schedule takes any m)
+            m = default_micro_batches(size, self.p, self.config.schedule)
         return m
 
     def _schedule(self, m: int, train: bool) -> list[Action]:
@@ -199,11 +214,11 @@ class PipelineRuntime:
             stack.enter_context(self.grad_sync_blocker())
             stack.enter_context(self._sequence_parallel_sums_deferred())
             total = self._run(micro, train=True)
-        self._stash = {id(p): p.grad for p in self.params}
+        stash = _Stash(self, {id(p): p.grad for p in self.params})
         for p in self.params:
             p.grad = saved[id(p)]
         loss = self._broadcast_scalar(total)
-        return self.sequence.output(_DeferredGradients.apply(loss, self, *self.params), None)
+        return self.sequence.output(_DeferredGradients.apply(loss, stash, *self.params), None)
 
     @torch.no_grad()
     def _evaluate(self, micro: list[Inputs]) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -212,23 +227,24 @@ class PipelineRuntime:
             return self._broadcast_scalar(outputs), None
         return None, self._broadcast_from_last(outputs)
 
-    def release_gradients(self, grad: Tensor) -> list[Optional[Tensor]]:
-        """Called by ``loss.backward()``: the schedule's gradients, scaled; tied weights summed over
+    def release_gradients(self, grad: Tensor, stash: _Stash) -> list[Optional[Tensor]]:
+        """Called by ``loss.backward()``: the call's gradients, scaled; tied weights summed over
         the stages that hold them so both copies stay identical."""
         factor = grad / self.loss_scale()
+        grads = stash.grads
         if self.tied:
             group = self.topology.embedding_group()
             for p in self.tied:
-                g = self._stash.get(id(p))
+                g = grads.get(id(p))
                 g = torch.zeros_like(p) if g is None else g
                 dist.all_reduce(g, group=group)
-                self._stash[id(p)] = g
+                grads[id(p)] = g
         unit = bool(factor == 1)
         out = []
         for p in self.params:
-            g = self._stash.get(id(p))
+            g = grads.get(id(p))
             out.append(g if g is None or unit else g * factor.to(g.dtype))
-        self._stash = {}
+        stash.grads = {}
         return out
 
     @contextmanager
@@ -244,6 +260,12 @@ class PipelineRuntime:
 
     # -- the schedule ------------------------------------------------------------------------------
     def _piece_forward(self, piece: int, x: Optional[Tensor], batch: Inputs) -> Any:
+        """One piece's forward, drawing dropout from this stage's own random stream."""
+        tracker = self.rng_tracker
+        with tracker.fork(PIPELINE_STAGE_RNG) if tracker is not None and tracker.has(PIPELINE_STAGE_RNG) else nullcontext():
+            return self._piece_layers(piece, x, batch)
+
+    def _piece_layers(self, piece: int, x: Optional[Tensor], batch: Inputs) -> Any:
         if piece == 0:
             x = self.sequence.embed(batch)
         start, end = self.ranges[piece]

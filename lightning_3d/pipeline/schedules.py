@@ -30,7 +30,7 @@ class Action:
         return f"{self.kind}{self.micro}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-def _compute_order(name: str, p: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
+def _compute_order(name: str, p: int, m: int, v: int, rank: int, extra_warmup: int = 0) -> list[tuple[str, int, int]]:
     """(F|B, micro, chunk) in execution order for one rank."""
     if name == "gpipe":
         return [("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v)) for i in reversed(range(m))]
@@ -42,19 +42,17 @@ def _compute_order(name: str, p: int, m: int, v: int, rank: int) -> list[tuple[s
         order += [("B", i, 0) for i in range(m - warmup, m)]
         return order
     # Interleaved 1F1B (Narayanan et al. 2021): micro-batches go through the chunks in groups of p.
+    # A last group of fewer than p (a ragged batch: m not a multiple of p) goes through them the same
+    # way, as Megatron-LM does for any micro-batch count.
+    groups = [range(start, min(start + p, m)) for start in range(0, m, p)]
+    forwards = [("F", i, c) for g in groups for c in range(v) for i in g]
+    backwards = [("B", i, c) for g in groups for c in reversed(range(v)) for i in g]
     total = m * v
-
-    def forward(k: int) -> tuple[str, int, int]:
-        return ("F", (k // (p * v)) * p + k % p, (k % (p * v)) // p)
-
-    def backward(k: int) -> tuple[str, int, int]:
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k % (p * v)) // p)
-
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    order = [forward(k) for k in range(warmup)]
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p + extra_warmup, total)
+    order = forwards[:warmup]
     for i in range(total - warmup):
-        order += [forward(warmup + i), backward(i)]
-    order += [backward(k) for k in range(total - warmup, total)]
+        order += [forwards[warmup + i], backwards[i]]
+    order += backwards[total - warmup :]
     return order
 
 
@@ -64,17 +62,29 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = F
         raise ValueError(f"pipeline_schedule={name!r} is not supported; choose one of {SCHEDULES}.")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline schedule needs p, m, v >= 1 (got p={p}, m={m}, v={v}).")
-    if name == "interleaved_1f1b" and m % p:
-        raise ValueError(
-            f"the interleaved schedule needs micro_batches to be a multiple of pipeline_parallel: "
-            f"micro_batches={m}, pipeline_parallel={p}."
-        )
     if name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"virtual_stages={v} needs pipeline_schedule='interleaved_1f1b' (got {name!r}).")
+    schedule = _actions(name, p, m, v, forward_only, 0)
+    if name == "interleaved_1f1b" and m % p and not forward_only:
+        # A short last group can leave the standard warm-up too small to keep every rank fed;
+        # warm up a little more (more forwards in flight for this one step) until the schedule
+        # provably runs. Warming up everything (GPipe order) always does, so this terminates.
+        from lightning_3d.pipeline.simulator import ScheduleDeadlock, simulate
+
+        for extra in range(1, m * v + 1):
+            try:
+                simulate(schedule)
+                break
+            except ScheduleDeadlock:
+                schedule = _actions(name, p, m, v, forward_only, extra)
+    return schedule
+
+
+def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup: int) -> list[list[Action]]:
     last = p * v - 1
     ranks = []
     for rank in range(p):
-        order = _compute_order("gpipe" if forward_only else name, p, m, v, rank)
+        order = _compute_order("gpipe" if forward_only else name, p, m, v, rank, extra_warmup)
         actions: list[Action] = []
         for kind, micro, chunk in order:
             if forward_only and kind == "B":

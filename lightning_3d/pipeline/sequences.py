@@ -59,6 +59,8 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
 
 
 def gpt_sequence(model: nn.Module) -> LayerSequence:
+    from lightning_3d.models.gpt import IGNORE_INDEX
+
     def inputs(args: tuple, kwargs: dict) -> Inputs:
         return {"input_ids": _arg(args, kwargs, 0, "input_ids"), "targets": _arg(args, kwargs, 1, "targets")}
 
@@ -76,7 +78,8 @@ def gpt_sequence(model: nn.Module) -> LayerSequence:
         embed=lambda batch: model.embed(batch["input_ids"]),
         block=lambda layer, x, batch: layer(x),
         head=head,
-        target_count=lambda batch: batch["targets"].numel() if batch["targets"] is not None else 0,
+        # the loss averages over the targets that are not masked: weigh micro-batches by those
+        target_count=lambda batch: int((batch["targets"] != IGNORE_INDEX).sum()) if batch["targets"] is not None else 0,
         output=lambda loss, logits: loss if loss is not None else logits,
     )
 

@@ -13,6 +13,7 @@ seed agree; :meth:`from_dense` shards an existing module instead.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -52,6 +53,34 @@ def _dense_weight(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
         return module.weight.detach().t(), None if module.bias is None else module.bias.detach()
     raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}.")
+
+
+def _linear_init_(weight: Tensor, bias: Optional[Tensor], fan_in: int) -> None:
+    """``nn.Linear``'s default init on a shard: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with the *dense*
+    fan-in (what kaiming_uniform(a=sqrt(5)) gives), so a shard is drawn like the dense layer's."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+def _rows_held(t: Tensor) -> tuple[Tensor, int]:
+    """(the rows this rank holds, index of the first one in ``t``): all of them, or -- for a ZeRO-3
+    (FSDP2) DTensor, sharded along dim 0 like ``torch.chunk`` -- its local chunk."""
+    if not hasattr(t, "to_local"):
+        return t, 0
+    per = -(-t.shape[0] // t.device_mesh.size())
+    return t.to_local(), min(t.shape[0], t.device_mesh.get_local_rank() * per)
+
+
+def _zero_rows_(t: Tensor, start: int, valid: int) -> None:
+    """Zero the rows of ``t`` (dense row index ``start`` + i) at or past ``valid``: vocabulary padding."""
+    local, first = _rows_held(t)
+    keep = max(0, min(local.shape[0], valid - start - first))
+    if keep < local.shape[0]:
+        with torch.no_grad():
+            local[keep:].zero_()
 
 
 def _check_divisible(what: str, size: int, world: int) -> None:
@@ -109,6 +138,15 @@ class ColumnParallelLinear(nn.Module):
             set_spec(self.bias, TPSpec(full_shape=tuple(dense_bias.shape), group=self.tp_group, **spec))
         else:
             self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        """Re-initialize this rank's shard as ``nn.Linear`` would the dense layer (padding stays zero):
+        what materializing a meta-device model calls before any model-level init."""
+        _linear_init_(self.weight, self.bias, self.in_features)
+        start = dist.get_rank(self.tp_group) * self.weight.shape[0]
+        _zero_rows_(self.weight, start, self.valid_out_features)
+        if self.bias is not None:
+            _zero_rows_(self.bias, start, self.valid_out_features)
 
     @classmethod
     def from_dense(cls, module: nn.Module, tp_group: Optional[dist.ProcessGroup] = None, **kwargs) -> "ColumnParallelLinear":
@@ -175,6 +213,11 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s init of the dense layer, drawn for this rank's columns (fan-in is the dense
+        ``in_features``). The bias is replicated: tp peers must draw it alike (same seed)."""
+        _linear_init_(self.weight, self.bias, self.in_features)
+
     @classmethod
     def from_dense(cls, module: nn.Module, tp_group: Optional[dist.ProcessGroup] = None, **kwargs) -> "RowParallelLinear":
         weight, bias = _dense_weight(module)
@@ -232,6 +275,18 @@ class VocabParallelEmbedding(nn.Module):
             self.weight,
             TPSpec(dim=0, world=world, rank=rank, full_shape=tuple(weight.shape), padded_size=padded_rows, group=self.tp_group),
         )
+
+    def reset_parameters(self) -> None:
+        """``nn.Embedding``'s init, N(0, 1), on this rank's rows; padding rows and ``padding_idx`` zero."""
+        with torch.no_grad():
+            self.weight.normal_()
+        _zero_rows_(self.weight, self.vocab_start, self.num_embeddings)
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.rows_per_rank:
+            local, first = _rows_held(self.weight)
+            row = self.padding_idx - self.vocab_start - first
+            if 0 <= row < local.shape[0]:
+                with torch.no_grad():
+                    local[row].zero_()
 
     @classmethod
     def from_dense(cls, module: nn.Embedding, tp_group: Optional[dist.ProcessGroup] = None, **kwargs) -> "VocabParallelEmbedding":

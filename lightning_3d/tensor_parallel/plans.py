@@ -12,6 +12,8 @@ to styles. Styles are strings for the common cases or :class:`Style` objects:
 ``"prepare_input"`` enter the tp region once at this module's input (copy, or all-gather with
                    sequence parallel) so that several ``"column_prepared"`` layers share it
 ``"rng"``          run the module's forward with per-tp-rank dropout randomness
+``"replicated_rng"`` inside an ``"rng"`` module: draw from the replicated stream again (a dropout
+                   after the row-parallel reduction, e.g. HF GPT-2's ``resid_dropout``)
 ``"sequence_split"`` split the module's output along the sequence (sequence parallel only)
 ``"sequence_norm"`` mark the module's parameters as computed on a sequence shard (SP only)
 ``"sequence_rng"``  ``"rng"`` only under sequence parallel (dropout on a sequence shard)
@@ -40,7 +42,7 @@ from lightning_3d.tensor_parallel.mappings import (
     gather_from_tensor_parallel,
     scatter_to_sequence_parallel,
 )
-from lightning_3d.tensor_parallel.random import RNGStatesTracker, run_forward_in_rng_region
+from lightning_3d.tensor_parallel.random import RNGStatesTracker, run_forward_in_rng_region, run_forward_outside_rng_region
 from lightning_3d.tensor_parallel.spec import get_spec, mark_sequence_parallel, replicated_spec, set_spec
 
 PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
@@ -132,6 +134,13 @@ class RNGRegion(Style):
         run_forward_in_rng_region(module, ctx.tracker)
 
 
+class ReplicatedRNG(Style):
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        if ctx.tracker is None:
+            raise ValueError("a 'replicated_rng' style needs an RNGStatesTracker in the plan context.")
+        run_forward_outside_rng_region(module, ctx.tracker)
+
+
 @dataclass
 class SequenceSplit(Style):
     dim: int = -2
@@ -172,6 +181,7 @@ NAMED_STYLES: dict[str, Style] = {
     "vocab_head": Column(pad_output=True),
     "prepare_input": PrepareInput(),
     "rng": RNGRegion(),
+    "replicated_rng": ReplicatedRNG(),
     "sequence_split": SequenceSplit(),
     "sequence_norm": SequenceNorm(),
     "sequence_rng": RNGRegion(only_with_sequence_parallel=True),
@@ -376,7 +386,8 @@ def llama_plan(model: nn.Module) -> TensorParallelPlan:
         name="LlamaForCausalLM",
         styles={
             "model.embed_tokens": "vocab",
-            "model.layers.*.self_attn": "prepare_input",
+            # attention-probability dropout happens inside self_attn, on this rank's heads
+            "model.layers.*.self_attn": ["prepare_input", "rng"],
             "model.layers.*.self_attn.q_proj": "column_prepared",
             "model.layers.*.self_attn.k_proj": "column_prepared",
             "model.layers.*.self_attn.v_proj": "column_prepared",
@@ -404,7 +415,10 @@ def gpt2_plan(model: nn.Module) -> TensorParallelPlan:
         name="GPT2LMHeadModel",
         styles={
             "transformer.wte": "vocab",
-            "transformer.h.*.attn": DivideAttributes(("split_size", "num_heads", "embed_dim")),
+            # attention-probability dropout (eager or SDPA) is inside attn, on this rank's heads; the
+            # residual dropout after c_proj's all-reduce is replicated
+            "transformer.h.*.attn": [DivideAttributes(("split_size", "num_heads", "embed_dim")), "rng"],
+            "transformer.h.*.attn.resid_dropout": "replicated_rng",
             "transformer.h.*.attn.c_attn": Column(num_blocks=3),
             "transformer.h.*.attn.c_proj": "row",
             "transformer.h.*.mlp.c_fc": "column",

@@ -6,6 +6,12 @@ default generator, seeded alike on every rank, already is). :class:`RNGStatesTra
 separate generator state per name and swaps it into the default generator of the device inside
 :meth:`~RNGStatesTracker.fork`, so unmodified modules (``nn.Dropout``, SDPA's dropout) draw from
 it. :meth:`~RNGStatesTracker.checkpoint_context` makes activation recompute replay the same masks.
+
+Pipeline stages run different layers, so they must not replay one another's random stream
+either: every stage seeds its own states (Megatron offsets seeds by pipeline rank), and the
+pipeline runtime runs each stage's forward inside :data:`PIPELINE_STAGE_RNG`. The default
+generator outside the model (data loading, samplers) is left alone, so every pipeline rank still
+loads the same batch.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import torch
 from torch import Tensor
 
 TENSOR_PARALLEL_RNG = "tensor-parallel"
+PIPELINE_STAGE_RNG = "pipeline-stage"
 _SEED_OFFSET = 2718
+_PIPELINE_SEED_OFFSET = 100  # per pipeline rank, as in Megatron
 
 
 def _get_state(device_type: str) -> Tensor:
@@ -33,9 +41,14 @@ def _set_state(device_type: str, state: Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def tensor_parallel_seed(base_seed: int, tp_rank: int) -> int:
-    """Distinct per tp rank, shared by data-parallel replicas (as in Megatron)."""
-    return base_seed + _SEED_OFFSET + tp_rank
+def tensor_parallel_seed(base_seed: int, tp_rank: int, pp_rank: int = 0) -> int:
+    """Distinct per tp rank and pipeline stage, shared by data-parallel replicas (as in Megatron)."""
+    return base_seed + _SEED_OFFSET + tp_rank + _PIPELINE_SEED_OFFSET * pp_rank
+
+
+def pipeline_stage_seed(base_seed: int, pp_rank: int) -> int:
+    """The replicated-region stream of one pipeline stage (shared by its tp and dp peers)."""
+    return base_seed + _PIPELINE_SEED_OFFSET * (pp_rank + 1)
 
 
 class RNGStatesTracker:
@@ -44,6 +57,7 @@ class RNGStatesTracker:
     def __init__(self, device_type: str = "cpu") -> None:
         self.device_type = device_type
         self._states: dict[str, Tensor] = {}
+        self._outer: list[Tensor] = []  # default-generator states displaced by the open forks
 
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
@@ -55,20 +69,39 @@ class RNGStatesTracker:
         return {k: v.clone() for k, v in self._states.items()}
 
     def set_states(self, states: dict[str, Tensor]) -> None:
-        self._states = {k: v.clone() for k, v in states.items()}
+        """Replace the named states given (others, e.g. added by a newer version, are kept)."""
+        self._states.update({k: v.clone() for k, v in states.items()})
+
+    def has(self, name: str) -> bool:
+        return name in self._states
 
     @contextmanager
     def fork(self, name: str = TENSOR_PARALLEL_RNG) -> Iterator[None]:
         """Run the body with generator state ``name``; the default state is untouched by it."""
         if name not in self._states:
             raise KeyError(f"RNG state {name!r} was not added to the tracker.")
-        original = _get_state(self.device_type)
+        self._outer.append(_get_state(self.device_type))
         _set_state(self.device_type, self._states[name])
         try:
             yield
         finally:
             self._states[name] = _get_state(self.device_type)
-            _set_state(self.device_type, original)
+            _set_state(self.device_type, self._outer.pop())
+
+    @contextmanager
+    def outside(self) -> Iterator[None]:
+        """Inside a fork, run the body with the state the fork displaced: a replicated part of a
+        module whose forward is a tensor-parallel region (HF GPT-2's residual dropout)."""
+        if not self._outer:
+            yield
+            return
+        inner = _get_state(self.device_type)
+        _set_state(self.device_type, self._outer[-1])
+        try:
+            yield
+        finally:
+            self._outer[-1] = _get_state(self.device_type)
+            _set_state(self.device_type, inner)
 
     def checkpoint_context(self) -> tuple[Any, Any]:
         """``context_fn`` for ``torch.utils.checkpoint``: recompute sees the tracker as forward did.
@@ -100,17 +133,28 @@ class RNGStatesTracker:
         )
 
 
-def run_forward_in_rng_region(module: torch.nn.Module, tracker: RNGStatesTracker, name: str = TENSOR_PARALLEL_RNG) -> None:
-    """Make ``module``'s forward draw its randomness from ``tracker``'s state ``name``."""
+def _wrap_forward(module: torch.nn.Module, context: Callable[[], Any]) -> None:
     original = module.forward
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with tracker.fork(name):
+        with context():
             return original(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
 
-def seed_tracker(tracker: RNGStatesTracker, tp_rank: int, base_seed: Optional[int] = None) -> None:
-    tracker.add(TENSOR_PARALLEL_RNG, tensor_parallel_seed(torch.initial_seed() if base_seed is None else base_seed, tp_rank))
+def run_forward_in_rng_region(module: torch.nn.Module, tracker: RNGStatesTracker, name: str = TENSOR_PARALLEL_RNG) -> None:
+    """Make ``module``'s forward draw its randomness from ``tracker``'s state ``name``."""
+    _wrap_forward(module, lambda: tracker.fork(name))
+
+
+def run_forward_outside_rng_region(module: torch.nn.Module, tracker: RNGStatesTracker) -> None:
+    """Make ``module``'s forward draw from the replicated stream even inside a tensor-parallel region."""
+    _wrap_forward(module, tracker.outside)
+
+
+def seed_tracker(tracker: RNGStatesTracker, tp_rank: int, pp_rank: int = 0, base_seed: Optional[int] = None) -> None:
+    base = torch.initial_seed() if base_seed is None else base_seed
+    tracker.add(TENSOR_PARALLEL_RNG, tensor_parallel_seed(base, tp_rank, pp_rank))
+    tracker.add(PIPELINE_STAGE_RNG, pipeline_stage_seed(base, pp_rank))

@@ -92,15 +92,20 @@ class BucketedBackward(Generic[B]):
     def _complete(self, bucket: B) -> None:
         raise NotImplementedError
 
+    def _accumulated(self, bucket: B, index: int) -> None:
+        """A gradient arrived while communication is off (accumulation): nothing to send, but a
+        subclass may note that the parameter was used this step."""
+
     @property
     def active(self) -> bool:
         return self.enabled
 
     # -- machinery ---------------------------------------------------------------------------
     def _on_grad_ready(self, param: Parameter) -> None:
-        if not self.active:
-            return
         b_idx, i = self._slot[id(param)]
+        if not self.active:
+            self._accumulated(self.buckets[b_idx], i)
+            return
         if self._launched[b_idx] or not self._gradient_ready(self.buckets[b_idx], i, param):
             return
         self._ready[b_idx] += 1

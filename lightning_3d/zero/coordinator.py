@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_3d.topology import Topology
 from lightning_3d.zero.fsdp import apply_zero3, materialize_meta, no_gradient_sync
 from lightning_3d.zero.grad_reducer import GradientReducer
+from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 
 
@@ -54,6 +55,11 @@ class ZeroCoordinator:
     def mixed(self) -> bool:
         return self.compute_dtype != self.master_dtype
 
+    @property
+    def separate_masters(self) -> bool:
+        """Whether some ZeRO optimizer keeps masters apart from the parameters (mixed precision, offload)."""
+        return any(opt.separate_master for opt in self.zero_optimizers)
+
     def prepare_module(self, module: nn.Module, device: torch.device) -> None:
         """Stage 3: shard the module (and materialize it if it was built on the meta device)."""
         if self.stage != 3 or self.fsdp_roots:
@@ -65,6 +71,8 @@ class ZeroCoordinator:
 
     def wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Any]:
         self.remove()
+        for opt in optimizers:  # before step 1: refuse optimizers that would see pieces of parameters
+            check_optimizer_layout(opt, self.stage, self.topology.dims.tp)
         if self.stage == 3:
             return optimizers
         if self.stage == 0 and not self.mixed:

@@ -83,18 +83,38 @@ def materialize_meta(root: nn.Module, device: torch.device) -> bool:
     Returns whether anything was on the meta device. Initialization runs every module's
     ``reset_parameters``, children before parents, so a model-level one (``GPT.reset_parameters``)
     has the last word. Each rank initializes only its shards: the values are drawn from the same
-    distributions as a dense init, not bit-identical to it.
+    distributions as a dense init, not bit-identical to it. Memory is filled with NaN first, so a
+    parameter or buffer that no ``reset_parameters`` wrote is found and named, never trained as
+    whatever ``torch.empty`` left there.
     """
     if not any(_is_meta(p) for p in root.parameters()):
         return False
     root.to_empty(device=device)
     with torch.no_grad():
+        for t in [*root.parameters(), *root.buffers()]:
+            if t.is_floating_point():
+                _local(t).fill_(float("nan"))
         for module in reversed(list(root.modules())):
             reset: Any = getattr(module, "reset_parameters", None)
             if callable(reset) and module is not root:
                 reset()
+    missing = [
+        name
+        for name, t in [*root.named_parameters(), *root.named_buffers()]
+        if t.is_floating_point() and bool(torch.isnan(_local(t)).any())
+    ]
+    if missing:
+        raise ValueError(
+            f"zero_stage=3 materialized the meta-device model, but no reset_parameters() initialized {missing[:5]}"
+            f"{' and more' if len(missing) > 5 else ''}: their memory is uninitialized. Give the modules that own them "
+            f"a reset_parameters() (or the model one that covers them), or build the model on a real device."
+        )
     return True
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _is_meta(p: torch.Tensor) -> bool:
-    return (p.to_local() if hasattr(p, "to_local") else p).is_meta
+    return _local(p).is_meta

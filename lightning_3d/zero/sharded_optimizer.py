@@ -23,6 +23,15 @@ Per stage, with ``psi`` local parameters on ``N`` data-parallel ranks (bf16-mixe
 
 Gradient accumulation (``no_sync``) communicates nothing: gradients accumulate locally (stage 2
 then holds full gradients until the synchronizing micro-step).
+
+One process skips a parameter that got no gradient (``grad is None``): no weight decay, no
+momentum, and its own step count stays behind. To match that, the inner optimizer does not see
+one flat slice per bucket but one tensor per *segment* -- the part of a parameter that lies in
+this rank's slice (the whole parameter, in its shape, when it is not cut) -- each with its own
+state, and a segment whose parameter got no gradient on any data-parallel rank this step keeps
+``grad=None``. Segments are views of the flat master slice, so offload and the collectives still
+move one flat buffer per bucket. Optimizers that need whole parameters are refused where a
+parameter can be cut (:mod:`lightning_3d.zero.optimizer_kinds`).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, unique_trainable
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
+from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
 
 REDUCE_DTYPE = torch.float32
 
@@ -50,6 +60,27 @@ REDUCE_DTYPE = torch.float32
 def _reduce_scatter(out: Tensor, inp: Tensor, group: dist.ProcessGroup) -> Optional[dist.Work]:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, group=group, async_op=True)
+
+
+@dataclass
+class _Segment:
+    """The part ``[start, end)`` (flat, within the parameter) of parameter ``index`` of a bucket that
+    lies in this rank's slice, at ``offset`` in the slice; ``tensor`` is the master view the inner
+    optimizer updates (parameter-shaped when the segment is the whole parameter; ``None`` on NVMe)."""
+
+    index: int
+    start: int
+    end: int
+    offset: int
+    tensor: Optional[Tensor] = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def of(self, flat_slice: Tensor) -> Tensor:
+        """This segment of a flat tensor over the rank's slice."""
+        return flat_slice[self.offset : self.offset + self.numel]
 
 
 @dataclass
@@ -66,7 +97,9 @@ class _Bucket:
     grad_shard: Optional[Tensor] = None  # stage 2: reduced slice; stage 0/1 use grad_buf's slice
     send: Optional[Tensor] = None  # transient fp32 reduction input
     recv: Optional[Tensor] = None  # transient fp32 reduce-scatter output
-    present: list[bool] = field(default_factory=list)
+    present: list[bool] = field(default_factory=list)  # gradient taken in this backward
+    used: list[bool] = field(default_factory=list)  # gradient produced on this rank since the last step
+    segments: list[_Segment] = field(default_factory=list)
     reduced: bool = False  # this bucket's slice holds a reduced gradient not yet consumed by a step
     counted: list[tuple[int, int]] = field(default_factory=list)  # slice ranges counted in norms here
 
@@ -99,9 +132,13 @@ class ShardedGradients(BucketedBackward[_Bucket]):
     def _transient(self, bucket: _Bucket) -> bool:
         return self.stage == 2 or bucket.reduced
 
+    def _accumulated(self, bucket: _Bucket, index: int) -> None:
+        bucket.used[index] = True
+
     def _gradient_ready(self, bucket: _Bucket, index: int, param: Parameter) -> bool:
         if bucket.present[index]:
             return False
+        bucket.used[index] = True
         if self._transient(bucket):
             self._stage(bucket, index, param)
         else:
@@ -118,6 +155,7 @@ class ShardedGradients(BucketedBackward[_Bucket]):
             bucket.send = torch.zeros(bucket.padded, dtype=REDUCE_DTYPE, device=bucket.param_buf.device)
         if param.grad is not None:
             bucket.view(bucket.send, index).copy_(param.grad)
+            bucket.used[index] = True
             param.grad = None
 
     def _launch(self, bucket: _Bucket) -> Optional[dist.Work]:
@@ -191,6 +229,7 @@ class ZeroOptimizer:
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 0-2, got {stage}.")
+        check_optimizer_layout(optimizer, stage, dist.get_world_size(tp_group) if tp_group is not None else 1)
         if offload == "nvme" and not is_adam(optimizer):
             raise ValueError(
                 f"offload_optimizer='nvme' streams Adam/AdamW state; {type(optimizer).__name__} is not supported there "
@@ -200,8 +239,8 @@ class ZeroOptimizer:
         self.dp_group, self.tp_group, self.pp_group, self.stage = dp_group, tp_group, pp_group, stage
         self.compute_dtype, self.master_dtype, self.offload = compute_dtype, master_dtype, offload
         self.host = torch.device("cpu") if offload != "none" else None
-        dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        shards = 1 if stage == 0 else dp
+        self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        shards = 1 if stage == 0 else self.dp_size
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         layout: list[tuple[int, list[Parameter]]] = []
         seen: set[int] = set()
@@ -218,14 +257,21 @@ class ZeroOptimizer:
             self.store = NVMeStateStore(nvme_path, dist.get_rank(), sizes)
             self.chunk_adam = ChunkAdam(optimizer)
         self.buckets = [
-            self._build_bucket(slot, members, g_idx, shards, 0 if stage == 0 else rank, tp_rank)
+            self._build_bucket(slot, members, g_idx, shards, 0 if stage == 0 else self.dp_rank, tp_rank)
             for slot, (g_idx, members) in enumerate(layout)
         ]
+        # NVMe keeps Adam's step count per segment here (the moments are in the file).
+        self.nvme_steps: list[list[int]] = [[0] * len(b.segments) for b in self.buckets]
         self.grads = ShardedGradients(self.buckets, dp_group, stage, grad_device=self.host)
         self.inner = None if self.store is not None else self._inner_optimizer()
         self.state = self.optimizer.state  # Lightning moves/inspects this; ours lives in self.inner
 
     # -- construction ------------------------------------------------------------------------
+    @property
+    def separate_master(self) -> bool:
+        """Whether the masters are a copy of the parameters (mixed precision or offload)."""
+        return self.compute_dtype != self.master_dtype or self.offload != "none"
+
     def _build_bucket(self, slot: int, params: list[Parameter], g_idx: int, shards: int, rank: int, tp_rank: int) -> _Bucket:
         offsets, total = [], 0
         for p in params:
@@ -252,29 +298,37 @@ class ZeroOptimizer:
             p.data = param_buf[off : off + p.numel()].view_as(p)
         bucket = _Bucket(params, offsets, padded, shard_start, shard_size, g_idx, param_buf, master)
         bucket.present = [False] * len(params)
+        bucket.used = [False] * len(params)
+        for i, (p, off) in enumerate(zip(params, offsets)):
+            lo, hi = max(off, shard_start), min(off + p.numel(), shard_start + shard_size)
+            if lo < hi:
+                segment = _Segment(i, lo - off, hi - off, lo - shard_start)
+                if master.numel():
+                    view = segment.of(master)
+                    segment.tensor = view.view_as(p) if segment.numel == p.numel() else view
+                bucket.segments.append(segment)
         if self.stage < 2:
             bucket.grad_buf = torch.zeros(padded, dtype=self.compute_dtype, device=device)
             for i, p in enumerate(params):
                 p.grad = bucket.view(bucket.grad_buf, i)
         # Slice ranges whose squares count toward the global norm on this rank: tensor-parallel
         # shards always; replicated parameters only on tp rank 0.
-        for p, off in zip(params, offsets):
+        for segment in bucket.segments:
+            p = params[segment.index]
             spec = get_spec(p)
             if getattr(p, "pipeline_duplicate", False):
                 continue  # a tied weight's copy on the last pipeline stage: counted on the first
             if tp_rank == 0 or (spec is not None and spec.is_sharded):
-                lo, hi = max(off, shard_start), min(off + p.numel(), shard_start + shard_size)
-                if lo < hi:
-                    bucket.counted.append((lo - shard_start, hi - shard_start))
+                bucket.counted.append((segment.offset, segment.offset + segment.numel))
         return bucket
 
     def _inner_optimizer(self) -> Optimizer:
-        """The optimizer that updates this rank's master slices: with CPU offload of Adam/AdamW, torch's
-        fused CPU kernel; otherwise a shallow copy of the user's optimizer."""
+        """The optimizer that updates this rank's master segments: with CPU offload of Adam/AdamW,
+        torch's fused CPU kernel; otherwise a shallow copy of the user's optimizer."""
         groups = []
         for g_idx, group in enumerate(self.optimizer.param_groups):
-            masters = [b.master for b in self.buckets if b.group_index == g_idx]
-            groups.append({**group, "params": masters})
+            segments = [s.tensor for b in self.buckets if b.group_index == g_idx for s in b.segments]
+            groups.append({**group, "params": segments})
         if self.offload == "cpu" and is_adam(self.optimizer):
             return fused_adam_like(self.optimizer, groups)
         inner = copy.copy(self.optimizer)
@@ -308,17 +362,30 @@ class ZeroOptimizer:
                 for p in bucket.params:
                     p.grad = None
             bucket.reduced = False
+            bucket.used = [False] * len(bucket.params)
 
     def _grad_slices(self) -> Iterator[tuple[_Bucket, Tensor]]:
-        for bucket in self.buckets:
-            grad = self.grads.grad_slice(bucket)
-            if grad is not None:
-                yield bucket, grad
+        for _, bucket, grad in self._indexed_grad_slices():
+            yield bucket, grad
+
+    def _used_anywhere(self) -> list[list[bool]]:
+        """Per bucket and parameter: did any data-parallel rank produce a gradient since the last step?
+        (One small all-reduce per step; a parameter nobody used is skipped, as one process skips it.)"""
+        flags = [float(u) for b in self.buckets for u in b.used]
+        if not flags:
+            return []
+        device = self.buckets[0].param_buf.device
+        votes = torch.tensor(flags, device=device)
+        if self.dp_size > 1:
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.dp_group)
+        values = iter(votes.bool().tolist())
+        return [[next(values) for _ in b.params] for b in self.buckets]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = closure() if closure is not None else None
-        stepped = self._step_nvme() if self.store is not None else self._step_in_memory()
+        used = self._used_anywhere()
+        stepped = self._step_nvme(used) if self.store is not None else self._step_in_memory(used)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  (LR schedulers check it)
         handles = []
         for bucket in stepped:
@@ -330,27 +397,42 @@ class ZeroOptimizer:
         self.zero_grad()
         return loss
 
-    def _step_in_memory(self) -> list[_Bucket]:
-        assert self.inner is not None
-        for inner_group, group in zip(self.inner.param_groups, self.optimizer.param_groups):
+    def _sync_hyperparameters(self, inner: Optimizer) -> None:
+        for inner_group, group in zip(inner.param_groups, self.optimizer.param_groups):
             inner_group.update({k: v for k, v in group.items() if k != "params" and k in inner_group})
+
+    def _step_in_memory(self, used: list[list[bool]]) -> list[_Bucket]:
+        assert self.inner is not None
+        self._sync_hyperparameters(self.inner)
         stepped = []
-        for bucket, grad in self._grad_slices():
+        for b_idx, bucket, grad in self._indexed_grad_slices():
             master = bucket.master
-            bucket.master.grad = grad if (grad.dtype, grad.device) == (master.dtype, master.device) else grad.to(master.device, master.dtype)
+            grad = grad if (grad.dtype, grad.device) == (master.dtype, master.device) else grad.to(master.device, master.dtype)
+            for segment in bucket.segments:
+                seg = segment.tensor
+                assert seg is not None
+                seg.grad = segment.of(grad).view_as(seg) if used[b_idx][segment.index] else None
             stepped.append(bucket)
         self.inner.step()
         for bucket in stepped:
-            bucket.master.grad = None
+            for segment in bucket.segments:
+                segment.tensor.grad = None  # type: ignore[union-attr]
             mine = bucket.slice_of(bucket.param_buf)
             if mine.data_ptr() != bucket.master.data_ptr():
                 mine.copy_(bucket.master, non_blocking=True)
         return stepped
 
-    def _step_nvme(self) -> list[_Bucket]:
-        """Stream master and moments chunk by chunk: read ahead, step, write behind."""
+    def _indexed_grad_slices(self) -> Iterator[tuple[int, _Bucket, Tensor]]:
+        for b_idx, bucket in enumerate(self.buckets):
+            grad = self.grads.grad_slice(bucket)
+            if grad is not None:
+                yield b_idx, bucket, grad
+
+    def _step_nvme(self, used: list[list[bool]]) -> list[_Bucket]:
+        """Stream master and moments chunk by chunk: read ahead, step, write behind. Within a chunk,
+        runs of consecutive used segments with one step count are stepped together."""
         assert self.store is not None and self.chunk_adam is not None
-        reduced = self._reduced_with_slot()
+        reduced = list(self._indexed_grad_slices())
         work = [(slot, bucket, grad, span) for slot, bucket, grad in reduced for span in self.store.chunks(slot)]
         pending = self.store.prefetch(work[0][0], *work[0][3]) if work else None
         writes = []
@@ -360,25 +442,39 @@ class ZeroOptimizer:
                 pending = self.store.prefetch(work[i + 1][0], *work[i + 1][3])
             group = self.optimizer.param_groups[bucket.group_index]
             chunk_grad = grad[start:end].to("cpu", torch.float32)
-            self.chunk_adam.step(group, self.store.steps[slot], buffers, chunk_grad)
-            bucket.slice_of(bucket.param_buf)[start:end].copy_(buffers["master"], non_blocking=True)
+            for lo, hi, step in self._runs(slot, bucket, used[slot], start, end):
+                views = {name: buf[lo - start : hi - start] for name, buf in buffers.items() if name != "_set"}
+                self.chunk_adam.step(group, step, views, chunk_grad[lo - start : hi - start])
+            # blocking: the host buffer goes back to the pool (and is overwritten) once written behind
+            bucket.slice_of(bucket.param_buf)[start:end].copy_(buffers["master"])
             writes.append(self.store.write_back(slot, start, buffers))
         for w in writes:
             w.result()
-        for slot, _, _ in reduced:
-            self.store.steps[slot] += 1
+        for slot, bucket, _ in reduced:
+            for k, segment in enumerate(bucket.segments):
+                if used[slot][segment.index]:
+                    self.nvme_steps[slot][k] += 1
         return [bucket for _, bucket, _ in reduced]
 
-    def _reduced_with_slot(self) -> list[tuple[int, _Bucket, Tensor]]:
-        """(file slot, bucket, gradient slice) for the buckets that received gradients this step."""
-        out = []
-        for slot, bucket in enumerate(self.buckets):
-            grad = self.grads.grad_slice(bucket)
-            if grad is not None:
-                out.append((slot, bucket, grad))
-        return out
+    def _runs(self, slot: int, bucket: _Bucket, used: list[bool], start: int, end: int) -> Iterator[tuple[int, int, int]]:
+        """(lo, hi, step count) over ``[start, end)`` of the slice: used segments, merged while contiguous
+        and at the same step count."""
+        run: Optional[list[int]] = None
+        for k, segment in enumerate(bucket.segments):
+            lo, hi = max(segment.offset, start), min(segment.offset + segment.numel, end)
+            if lo >= hi or not used[segment.index]:
+                continue
+            step = self.nvme_steps[slot][k]
+            if run is not None and run[1] == lo and run[2] == step:
+                run[1] = hi
+                continue
+            if run is not None:
+                yield run[0], run[1], run[2]
+            run = [lo, hi, step]
+        if run is not None:
+            yield run[0], run[1], run[2]
 
-    # -- precision support: unscale, overflow, global norm ----------------------------------------------
+    # -- precision support: unscale, overflow, global norm, clipping ----------------------------------------
     def unscale_(self, inv_scale: float) -> None:
         for _, grad in self._grad_slices():
             grad.mul_(inv_scale)
@@ -404,7 +500,12 @@ class ZeroOptimizer:
         for _, grad in self._grad_slices():
             grad.mul_(factor.to(grad.device, grad.dtype))
 
-    # -- checkpoints: dense per-parameter tensors, as a plain optimizer over the model would save ---------
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every reduced gradient element to ``[-clip_value, clip_value]`` (element-wise: local)."""
+        for _, grad in self._grad_slices():
+            grad.clamp_(-clip_value, clip_value)
+
+    # -- state: per segment, local; dense (layout-independent) only on request -------------------------------
     def _flat_params(self) -> list[Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -417,20 +518,137 @@ class ZeroOptimizer:
     def _master_of(self, slot: int, bucket: _Bucket) -> Tensor:
         return self.store.read_all(slot, "master") if self.store is not None else bucket.master
 
-    def _inner_state(self, slot: int, bucket: _Bucket) -> dict[str, Any]:
+    def segment_states(self, slot: int, bucket: _Bucket) -> list[tuple[_Segment, dict[str, Any]]]:
+        """This rank's optimizer state, per segment of bucket ``slot`` that has any: per-element tensors
+        flattened to the segment's length, other values (``step``, ...) as they are."""
         if self.store is not None:
-            return {
-                "step": torch.tensor(float(self.store.steps[slot])),
-                "exp_avg": self.store.read_all(slot, "exp_avg"),
-                "exp_avg_sq": self.store.read_all(slot, "exp_avg_sq"),
-            }
+            moments = {name: self.store.read_all(slot, name) for name in ("exp_avg", "exp_avg_sq")}
+            out = []
+            for k, segment in enumerate(bucket.segments):
+                if self.nvme_steps[slot][k]:
+                    entry: dict[str, Any] = {"step": torch.tensor(float(self.nvme_steps[slot][k]))}
+                    entry.update({name: segment.of(flat) for name, flat in moments.items()})
+                    out.append((segment, entry))
+            return out
         assert self.inner is not None
-        return dict(self.inner.state.get(bucket.master, {}))
+        out = []
+        for segment in bucket.segments:
+            state = self.inner.state.get(segment.tensor)
+            if state:
+                flat = {k: v.reshape(-1) if _per_element(v, segment) else v for k, v in state.items()}
+                out.append((segment, flat))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's own state, without communication (safe to call on one rank only): for each
+        parameter the segment this rank holds. It loads back at the same layout; checkpoints use the
+        strategy's sharded format or :meth:`dense_state_dict`, which load under any layout."""
+        index = {id(p): i for i, p in enumerate(self._flat_params())}
+        state: dict[int, dict[str, Any]] = {}
+        segments: dict[int, list[int]] = {}
+        for slot, bucket in enumerate(self.buckets):
+            for segment in bucket.segments:
+                segments[index[id(bucket.params[segment.index])]] = [segment.start, segment.end]
+            for segment, entry in self.segment_states(slot, bucket):
+                state[index[id(bucket.params[segment.index])]] = {k: _detached(v) for k, v in entry.items()}
+        return {"state": state, "param_groups": self._groups(index), "zero_segments": segments, "zero_layout": self._layout_key()}
+
+    def _layout_key(self) -> list[Any]:
+        return [self.stage, self.dp_size, self.dp_rank, [b.padded for b in self.buckets]]
+
+    def _groups(self, index: dict[int, int]) -> list[dict[str, Any]]:
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]}
+            for group in self.optimizer.param_groups
+        ]
+
+    def dense_state_dict(self) -> dict[str, Any]:
+        """Per-parameter dense state, as a plain optimizer over the unsharded model would save it.
+        A collective over the data- and tensor-parallel groups: every rank must call it."""
+        index = {id(p): i for i, p in enumerate(self._flat_params())}
+        summary = {slot: self._segment_summary(slot, bucket) for slot, bucket in enumerate(self.buckets)}
+        per_rank: list[Any] = [summary]
+        if self.stage > 0 and self.dp_size > 1:
+            per_rank = [None] * self.dp_size
+            dist.all_gather_object(per_rank, summary, group=self.dp_group)
+        state: dict[int, dict[str, Any]] = {}
+        for slot, bucket in enumerate(self.buckets):
+            summaries = [rank_summary[slot] for rank_summary in per_rank]
+            names = sorted({n for s in summaries for n in s["per_element"]})
+            has_state = sorted({i for s in summaries for i in s["scalars"]})
+            own = {segment.index: entry for segment, entry in self.segment_states(slot, bucket)}
+            flats = {}
+            for name in names:
+                flat = torch.zeros(bucket.shard_size, dtype=self.master_dtype, device=bucket.param_buf.device)
+                for segment in bucket.segments:
+                    value = own.get(segment.index, {}).get(name)
+                    if value is not None:
+                        segment.of(flat).copy_(value)
+                flats[name] = self._full_bucket(bucket, flat)
+            for i in has_state:
+                p = bucket.params[i]
+                entry = dict(next(s["scalars"][i] for s in summaries if i in s["scalars"]))
+                for name in names:
+                    entry[name] = _dense(bucket.view(flats[name], i), get_spec(p))
+                state[index[id(p)]] = entry
+        return {"state": state, "param_groups": self._groups(index)}
+
+    def _segment_summary(self, slot: int, bucket: _Bucket) -> dict[str, Any]:
+        per_element: set[str] = set()
+        scalars: dict[int, dict[str, Any]] = {}
+        for segment, entry in self.segment_states(slot, bucket):
+            per_element.update(k for k, v in entry.items() if _per_element(v, segment))
+            scalars[segment.index] = {k: _portable(v) for k, v in entry.items() if not _per_element(v, segment)}
+        return {"per_element": sorted(per_element), "scalars": scalars}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a dense optimizer state (from any layout), or this rank's own :meth:`state_dict`.
+        Parameters without saved state start fresh, each on its own (partial states load)."""
+        local = "zero_segments" in state_dict
+        if local and state_dict.get("zero_layout") != self._layout_key():
+            raise ValueError(
+                "this ZeroOptimizer state was saved by a rank of another layout (ZeRO stage, data-parallel size or "
+                "rank, buckets); load a checkpoint written by the strategy instead, which reshards."
+            )
+        params = self._flat_params()
+        index = {id(p): i for i, p in enumerate(params)}
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        for slot, bucket in enumerate(self.buckets):
+            flats: dict[str, Tensor] = {}
+            for k, segment in enumerate(bucket.segments):
+                p = bucket.params[segment.index]
+                entry = saved_state.get(index[id(p)])
+                if entry is None:
+                    continue
+                state: dict[str, Any] = {}
+                for name, value in entry.items():
+                    if isinstance(value, Tensor) and value.dim() > 0 and local and value.numel() == segment.numel:
+                        state[name] = value.reshape(-1)
+                    elif isinstance(value, Tensor) and value.dim() > 0 and not local and value.numel() == _dense_numel(p):
+                        state[name] = _local(value, get_spec(p)).reshape(-1)[segment.start : segment.end]
+                    else:
+                        state[name] = value.clone() if isinstance(value, Tensor) else value
+                if self.store is not None:
+                    self.nvme_steps[slot][k] = int(float(state.pop("step", 0)))
+                    for name, piece in state.items():
+                        flat = flats.setdefault(name, torch.zeros(bucket.shard_size, dtype=torch.float32))
+                        segment.of(flat).copy_(piece)
+                else:
+                    assert self.inner is not None and segment.tensor is not None
+                    group = self.inner.param_groups[bucket.group_index]
+                    self.inner.state[segment.tensor] = {
+                        name: _cast_state(name, v, segment, group) for name, v in state.items()
+                    }
+            if self.store is not None:
+                for name, flat in flats.items():
+                    self.store.write_all(slot, name, flat)
 
     def dense_master(self) -> dict[int, Tensor]:
         """id(param) -> dense (tp-gathered) master weight; empty when the master is the parameter."""
         out: dict[int, Tensor] = {}
-        if self.compute_dtype == self.master_dtype and self.offload == "none":
+        if not self.separate_master:
             return out
         for slot, bucket in enumerate(self.buckets):
             full = self._full_bucket(bucket, self._master_of(slot, bucket))
@@ -438,52 +656,8 @@ class ZeroOptimizer:
                 out[id(p)] = _dense(bucket.view(full, i), get_spec(p))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        index = {id(p): i for i, p in enumerate(self._flat_params())}
-        state: dict[int, dict[str, Any]] = {}
-        for slot, bucket in enumerate(self.buckets):
-            inner_state = self._inner_state(slot, bucket)
-            full = {k: self._full_bucket(bucket, v) if _is_slice_state(v, bucket) else v for k, v in inner_state.items()}
-            for i, p in enumerate(bucket.params):
-                entry = state.setdefault(index[id(p)], {})
-                for name, value in full.items():
-                    entry[name] = _dense(bucket.view(value, i), get_spec(p)) if _is_bucket_state(value, bucket) else value
-        groups = []
-        for group in self.optimizer.param_groups:
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]})
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take a dense optimizer state (from any layout) and keep this rank's slice of it."""
-        params = self._flat_params()
-        index = {id(p): i for i, p in enumerate(params)}
-        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        for slot, bucket in enumerate(self.buckets):
-            entries = [saved_state.get(index[id(p)]) for p in bucket.params]
-            if any(e is None for e in entries):
-                continue
-            inner: dict[str, Any] = {}
-            for name in entries[0]:
-                values = [e[name] for e in entries]
-                if isinstance(values[0], Tensor) and values[0].dim() > 0:
-                    flat = torch.zeros(bucket.padded, dtype=values[0].dtype, device=bucket.param_buf.device)
-                    for i, (p, v) in enumerate(zip(bucket.params, values)):
-                        bucket.view(flat, i).copy_(_local(v, get_spec(p)))
-                    inner[name] = bucket.slice_of(flat).clone().to(self.host or bucket.param_buf.device)
-                else:
-                    inner[name] = values[0].clone() if isinstance(values[0], Tensor) else values[0]
-            if self.store is not None:
-                self.store.steps[slot] = int(float(inner.pop("step", 0)))
-                for name, value in inner.items():
-                    self.store.write_all(slot, name, value)
-            else:
-                assert self.inner is not None
-                self.inner.state[bucket.master] = inner
-
     def load_dense_master(self, dense: dict[int, Tensor]) -> None:
-        """Set master slices (and parameters) from dense fp32 weights keyed by id(param)."""
+        """Set master slices (and parameters) from dense weights keyed by id(param)."""
         for slot, bucket in enumerate(self.buckets):
             if not all(id(p) in dense for p in bucket.params):
                 continue
@@ -492,7 +666,7 @@ class ZeroOptimizer:
                 bucket.view(flat, i).copy_(_local(dense[id(p)], get_spec(p)))
             if self.store is not None:
                 self.store.write_all(slot, "master", bucket.slice_of(flat))
-            else:
+            elif bucket.master.data_ptr() != bucket.slice_of(bucket.param_buf).data_ptr():
                 bucket.master.copy_(bucket.slice_of(flat))
             bucket.param_buf.copy_(flat)
 
@@ -503,12 +677,40 @@ class ZeroOptimizer:
             self.store = None
 
 
-def _is_slice_state(value: Any, bucket: _Bucket) -> bool:
-    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_size
+def _per_element(value: Any, segment: _Segment) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == segment.numel
 
 
-def _is_bucket_state(value: Any, bucket: _Bucket) -> bool:
-    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.padded
+def _cast_state(name: str, value: Any, segment: _Segment, group: dict[str, Any]) -> Any:
+    """A loaded state value as the inner optimizer keeps it (what ``Optimizer.load_state_dict`` does)."""
+    target = segment.tensor
+    assert target is not None
+    if name == "step":
+        step = value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float32)
+        return step.to(torch.float32, device=target.device) if group.get("fused") or group.get("capturable") else step
+    if not isinstance(value, Tensor):
+        return value
+    value = value.to(device=target.device, dtype=target.dtype if value.is_floating_point() else value.dtype)
+    return value.view_as(target).clone() if value.dim() > 0 and value.numel() == target.numel() else value
+
+
+def _portable(value: Any) -> Any:
+    """A state value that pickles to any rank (host memory)."""
+    return value.detach().cpu().clone() if isinstance(value, Tensor) else value
+
+
+def _detached(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+def _dense_numel(p: Tensor) -> int:
+    spec = get_spec(p)
+    if spec is None or not spec.is_sharded:
+        return p.numel()
+    n = 1
+    for d in spec.full_shape:
+        n *= d
+    return n
 
 
 def _dense(local: Tensor, spec: Optional[TPSpec]) -> Tensor:

@@ -1,0 +1,65 @@
+"""Which optimizers may run on pieces of parameters, and the refusal for those that may not.
+
+ZeRO 1-2 run the user's optimizer on this rank's slice of a flat buffer: a parameter can be cut
+between two data-parallel ranks, and both see only a 1-D piece of it. Tensor parallelism hands
+every optimizer a slice of each sharded matrix, and ZeRO-3 (FSDP2) hands it DTensor shards. That
+is exact only for *element-wise* optimizers, whose update of an element depends on that element's
+gradient and state alone (SGD, Adam, ...). Optimizers that look at whole matrices -- factored
+second moments (Adafactor), orthogonalization (Muon), per-parameter trust ratios (LAMB, LARS) --
+would silently compute something else on a piece, so the strategy refuses them before step 1
+wherever they would see one, and names the layout where they are exact: ``zero_stage=0`` with
+``tensor_parallel=1`` (with mixed precision the masters are then whole, parameter-shaped tensors).
+
+A custom optimizer declares itself element-wise with a class or instance attribute
+``elementwise = True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Update of element i reads only element i's gradient and state (and per-parameter step counts).
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+
+def is_elementwise(optimizer: Any) -> bool:
+    declared = getattr(optimizer, "elementwise", None)
+    if declared is not None:
+        return bool(declared)
+    return type(optimizer) in ELEMENTWISE
+
+
+def check_optimizer_layout(optimizer: Any, zero_stage: int, tensor_parallel: int) -> None:
+    """Refuse a non-element-wise optimizer where it would see pieces of parameters."""
+    if is_elementwise(optimizer):
+        return
+    where = []
+    if zero_stage in (1, 2):
+        where.append(f"zero_stage={zero_stage} steps flat slices that cut parameters between data-parallel ranks")
+    if zero_stage == 3:
+        where.append("zero_stage=3 shards every parameter over the data-parallel ranks")
+    if tensor_parallel > 1:
+        where.append(f"tensor_parallel={tensor_parallel} gives each rank a slice of every sharded matrix")
+    if not where:
+        return
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"{name} is not an element-wise optimizer (it needs whole parameters), but {' and '.join(where)}: it would "
+        f"compute a different update than on one process. Use zero_stage=0 with tensor_parallel=1 for {name} "
+        f"(pipeline and data parallelism are fine; mixed precision keeps whole fp32 masters), or an element-wise "
+        f"optimizer such as AdamW. If {name} is element-wise after all, set `elementwise = True` on it."
+    )
