@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-matrix bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The full composition matrix (tests/matrix.py): about an hour on 2 cores; `make test` runs its pairwise sample.
+test-matrix: $(STAMP)
+	$(PY) -m pytest -q -s tests/full_matrix.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py $(ARGS)

@@ -57,6 +57,7 @@ from lightning_3d.checkpoint.manager import ShardedCheckpointer
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
+from lightning_3d.loss_normalization import normalize_over_data_parallel
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.pipeline.sequences import find_sequences
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
@@ -305,6 +306,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
             )
         if self.config.pipeline_parallel > 1:
             self._apply_pipeline()
+        if fitting and self.config.pipeline_parallel == 1:  # (the pipeline runtime weighs its micro-batches itself)
+            for _, model, sequence in find_sequences(self.lightning_module):
+                normalize_over_data_parallel(model, sequence, self.topology.dp_group)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         precision = self.precision_plugin
@@ -656,3 +660,5 @@ class ThreeDParallelStrategy(ParallelStrategy):
             self._monitor.stop()
             self._monitor = None
         super().teardown()
+        if self._zero is not None and self.model is not None:
+            self._zero.module_moved(self.model)  # a checkpoint saved after fit must still know the shards

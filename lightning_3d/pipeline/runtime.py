@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.loss_normalization import data_parallel_factor
 from lightning_3d.pipeline.partition import Method, describe, partition
 from lightning_3d.pipeline.schedules import Action, build_schedule, peer_of
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
@@ -201,10 +202,15 @@ class PipelineRuntime:
             )[self.rank]
         return self._schedules[key]
 
-    def _weights(self, micro: list[Inputs]) -> list[float]:
+    def _weights(self, micro: list[Inputs], train: bool) -> list[float]:
+        """Each micro-batch's share of the batch loss: its count of (unmasked) targets over the batch's.
+        In training the batch is the global one over data-parallel replicas (see loss_normalization)."""
         counts = [self.sequence.target_count(mb) for mb in micro]
         total = sum(counts)
-        return [c / total if total else 0.0 for c in counts]
+        scale = 1.0
+        if train and self.topology.dp_size > 1:
+            scale = float(data_parallel_factor(total, self.topology.dp_group, self._device()))
+        return [c * scale / total if total else 0.0 for c in counts]
 
     def _train(self, micro: list[Inputs]) -> Any:
         saved = {id(p): p.grad for p in self.params}
@@ -275,7 +281,7 @@ class PipelineRuntime:
 
     def _run(self, micro: list[Inputs], train: bool) -> Any:
         m = len(micro)
-        weights = self._weights(micro) if _has_targets(micro[0]) else [0.0] * m
+        weights = self._weights(micro, train) if _has_targets(micro[0]) else [0.0] * m
         signatures = [_signature(mb, train) for mb in micro]
         stats = StepStats(micro_batches=m)
         start = time.perf_counter()

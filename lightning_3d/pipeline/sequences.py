@@ -10,7 +10,7 @@ defining ``pipeline_sequence(self) -> LayerSequence``.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,6 +40,8 @@ class LayerSequence:
         target_count: how many targets a micro-batch's loss averages over (weights micro-batch losses,
             so uneven micro-batches and ignored labels give the full-batch mean).
         output: ``(loss, logits)`` -> what ``forward`` returns at ``pipeline_parallel=1``.
+        loss_of: what ``forward`` returned -> its loss (``None`` without targets).
+        with_loss: ``(what forward returned, new loss)`` -> the same output carrying the new loss.
     """
 
     blocks: nn.ModuleList
@@ -52,6 +54,13 @@ class LayerSequence:
     head: Callable[[Tensor, Inputs], HeadOutput]
     target_count: Callable[[Inputs], int]
     output: Callable[[Optional[Tensor], Optional[Tensor]], Any]
+    loss_of: Callable[[Any], Optional[Tensor]] = field(default=lambda out: _tensor_loss_of(out))
+    with_loss: Callable[[Any, Tensor], Any] = field(default=lambda out, loss: loss)
+
+
+def _tensor_loss_of(out: Any) -> Optional[Tensor]:
+    """A forward that returns a 0-dim tensor with targets (a loss) and logits without."""
+    return out if isinstance(out, Tensor) and out.dim() == 0 else None
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
@@ -130,6 +139,15 @@ def _hf_output(loss: Optional[Tensor], logits: Optional[Tensor]) -> Any:
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+def _hf_loss_of(out: Any) -> Optional[Tensor]:
+    return getattr(out, "loss", None)
+
+
+def _hf_with_loss(out: Any, loss: Tensor) -> Any:
+    out.loss = loss
+    return out
+
+
 def _first(out: Any) -> Tensor:
     return out[0] if isinstance(out, tuple) else out
 
@@ -154,6 +172,8 @@ def llama_sequence(model: nn.Module) -> LayerSequence:
         head=_hf_head(model, inner.norm),
         target_count=_hf_count,
         output=_hf_output,
+        loss_of=_hf_loss_of,
+        with_loss=_hf_with_loss,
     )
 
 
@@ -179,6 +199,8 @@ def gpt2_sequence(model: nn.Module) -> LayerSequence:
         head=_hf_head(model, inner.ln_f),
         target_count=_hf_count,
         output=_hf_output,
+        loss_of=_hf_loss_of,
+        with_loss=_hf_with_loss,
     )
 
 

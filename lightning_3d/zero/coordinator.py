@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_3d.topology import Topology
-from lightning_3d.zero.fsdp import apply_zero3, materialize_meta, no_gradient_sync
+from lightning_3d.zero.fsdp import apply_zero3, materialize_meta, restore_specs
 from lightning_3d.zero.grad_reducer import GradientReducer
 from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
@@ -69,7 +69,14 @@ class ZeroCoordinator:
         self.fsdp_roots = apply_zero3(module, self.topology.mesh["dp"], *mixed, cpu_offload=offload)
         materialize_meta(module, device)
 
+    def module_moved(self, module: nn.Module) -> None:
+        """After Lightning moved the module (``.cpu()`` at teardown): FSDP2 re-created its parameters."""
+        if self.fsdp_roots:
+            restore_specs(module)
+
     def wrap_optimizers(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Any]:
+        for opt in self.zero_optimizers:  # a new fit replaces them: release their state (NVMe files)
+            opt.close()
         self.remove()
         for opt in optimizers:  # before step 1: refuse optimizers that would see pieces of parameters
             check_optimizer_layout(opt, self.stage, self.topology.dims.tp)
@@ -106,13 +113,15 @@ class ZeroCoordinator:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without communication (stages 0-2). Stage 3 keeps reduce-scattering
+        every micro-step, as DeepSpeed does: holding unsharded gradients across micro-steps would
+        cost a full gradient copy per rank, and FSDP2 cannot accumulate them in fp32 when a parameter
+        misses a micro-step (it mixes dtypes in the next reduce-scatter and fails)."""
         with ExitStack() as stack:
             if self.reducer is not None:
                 stack.enter_context(self.reducer.no_sync())
             for opt in self.zero_optimizers:
                 stack.enter_context(opt.grads.no_sync())
-            if self.fsdp_roots:
-                stack.enter_context(no_gradient_sync(self.fsdp_roots))
             yield
 
     def after_backward(self) -> None:

@@ -12,8 +12,6 @@ then each top-level child of the LightningModule that owns parameters (the model
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -59,22 +57,19 @@ def apply_zero3(
         sharded = fully_shard(unit, mesh=dp_mesh, mp_policy=policy, **extra)
         if id(unit) in top_level:
             top.append(sharded)
-    for name, p in root.named_parameters(remove_duplicate=False):
-        if specs.get(name) is not None:
-            set_spec(p, specs[name])
+    root._tensor_parallel_specs = specs  # type: ignore[assignment]
+    restore_specs(root)
     return top
 
 
-@contextmanager
-def no_gradient_sync(roots: list[FSDPModule]) -> Iterator[None]:
-    """Gradient accumulation without communication (FSDP2 keeps unsharded gradients meanwhile)."""
-    for r in roots:
-        r.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        for r in roots:
-            r.set_requires_gradient_sync(True)
+def restore_specs(root: nn.Module) -> None:
+    """Put the tensor-parallel specs back on FSDP2's parameters. FSDP2 swaps the Parameter objects
+    when sharding and again when the module is moved (Lightning's teardown calls ``.cpu()``); a
+    parameter without its spec would be saved as if every tp rank held the whole tensor."""
+    specs = getattr(root, "_tensor_parallel_specs", {})
+    for name, p in root.named_parameters(remove_duplicate=False):
+        if specs.get(name) is not None and get_spec(p) is None:
+            set_spec(p, specs[name])
 
 
 def materialize_meta(root: nn.Module, device: torch.device) -> bool:

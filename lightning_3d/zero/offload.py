@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import weakref
 import queue
 import shutil
 from collections.abc import Iterator
@@ -88,6 +89,8 @@ class NVMeStateStore:
         self._free: queue.Queue[dict[str, Tensor]] = queue.Queue()
         for _ in range(buffer_sets):  # one being stepped, one being read ahead, one being written behind
             self._free.put({name: host_empty(chunk) for name in ADAM_STATE})
+        # the file outlives training (a checkpoint may be saved after fit) but not the process
+        self._finalizer = weakref.finalize(self, _remove_file, self.fd, self.path)
 
     def _write_zeros(self, nbytes: int) -> None:
         try:
@@ -155,11 +158,15 @@ class NVMeStateStore:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-        self.path.unlink(missing_ok=True)
+        self._finalizer()
+
+
+def _remove_file(fd: int, path: Path) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    path.unlink(missing_ok=True)
 
 
 class ChunkAdam:

@@ -671,7 +671,12 @@ class ZeroOptimizer:
             bucket.param_buf.copy_(flat)
 
     def remove(self) -> None:
+        """Stop reducing gradients (training ended). The state stays: a checkpoint may still be saved."""
         self.grads.remove()
+
+    def close(self) -> None:
+        """Release the state for good (the NVMe file is deleted); the optimizer is unusable after."""
+        self.remove()
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -687,7 +692,7 @@ def _cast_state(name: str, value: Any, segment: _Segment, group: dict[str, Any])
     assert target is not None
     if name == "step":
         step = value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float32)
-        return step.to(torch.float32, device=target.device) if group.get("fused") or group.get("capturable") else step
+        return step.to(device=target.device, dtype=torch.float32) if group.get("fused") or group.get("capturable") else step
     if not isinstance(value, Tensor):
         return value
     value = value.to(device=target.device, dtype=target.dtype if value.is_floating_point() else value.dtype)

@@ -1,0 +1,436 @@
+"""The composition matrix: every feature against every other, each cell compared with one process.
+
+A *cell* picks one value of every factor below. It either trains (two epochs of a tiny GPT on a
+fixed token set) and must give the losses of one process trained from the same seed with the
+same math (accumulation, clipping, masking, data, parameters, optimizers), or it is refused by
+the strategy before step 1 with the message :func:`refusal` predicts. See docs/testing.md.
+
+* :func:`covering_array` picks the cells of ``make test``: every pair (``strength=2``) of factor
+  values appears in a cell that trains -- or, for a pair the strategy refuses whatever else is
+  chosen, in a cell that is refused. Deterministic (fixed seed), so a run is reproducible.
+* :func:`full_matrix` is what ``make test-matrix`` runs (see its docstring for what "all" means).
+* :func:`run_cell` runs a cell on every rank of a world of the layout's size; :func:`reference_of`
+  runs its one-process reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import re
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_3d import ThreeDParallelStrategy
+from lightning_3d.data import stdlib_bytes
+from lightning_3d.models import GPT, GPTConfig, GPTModule
+from lightning_3d.models.gpt import IGNORE_INDEX
+from tests.helpers import LossRecorder, quiet_trainer
+
+# -- the factors -----------------------------------------------------------------------------------
+FACTORS: dict[str, tuple[Any, ...]] = {
+    "layout": ("dp2", "tp2", "pp2", "dp2-tp2", "dp2-pp2", "tp2-pp2-v2", "dp2-tp2-pp2"),
+    "zero": (0, 1, 2, 3),
+    "precision": ("32-true", "bf16-mixed", "16-mixed"),
+    "accumulate": (1, 2),
+    "recompute": ("none", "full", "selective"),
+    "offload": ("none", "cpu", "nvme"),
+    "sequence_parallel": (False, True),
+    "clip": ("none", "norm", "value"),
+    "targets": ("plain", "masked"),
+    "last_batch": ("even", "ragged"),
+    "params": ("all", "unused-frozen"),
+    "optimizers": ("one", "two"),
+    "resume": ("no", "other-layout"),
+}
+CORE = ("layout", "zero", "precision", "accumulate")  # crossed in full by make test-matrix
+
+# (dp, tp, pp) and pipeline settings; each layout's world size is dp * tp * pp.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "one": dict(data_parallel=1),
+    "dp2": dict(data_parallel=2),
+    "tp2": dict(data_parallel=1, tensor_parallel=2),
+    "pp2": dict(data_parallel=1, pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=4),
+    "dp2-tp2": dict(data_parallel=2, tensor_parallel=2),
+    "dp2-pp2": dict(data_parallel=2, pipeline_parallel=2, pipeline_schedule="gpipe", micro_batches=2),
+    "tp2-pp2-v2": dict(data_parallel=1, tensor_parallel=2, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=4),
+    "dp2-tp2-pp2": dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=2),
+    "pp2-v2": dict(data_parallel=1, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=8),
+    "dp4": dict(data_parallel=4),
+    "dp8": dict(data_parallel=8),
+}
+# A resumed cell continues under another layout of the same world size (the first that its ZeRO
+# stage allows): the checkpoint must reshard.
+PARTNERS: dict[str, tuple[str, ...]] = {
+    "dp2": ("tp2",), "tp2": ("pp2", "dp2"), "pp2": ("dp2",),
+    "dp2-tp2": ("tp2-pp2-v2", "dp4"), "dp2-pp2": ("dp2-tp2",), "tp2-pp2-v2": ("dp2-tp2",), "dp2-tp2-pp2": ("dp8",),
+}
+
+MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32)
+GLOBAL_BATCH = 8
+# 3 batches an epoch: 8, 8, 8 or 8, 8, 6 (even per replica at dp 2); "odd" (8, 8, 5) is for one replica.
+SAMPLES = {"even": 24, "ragged": 22, "odd": 21}
+EPOCHS = 2
+LR = 3e-3
+CLIP = {"norm": ("norm", 0.5), "value": ("value", 2e-3)}
+# Losses over 6 batches vs one process in fp32: fp32 cells are exact up to summation order; the
+# mixed-precision cells are held to what bf16/fp16 rounding of weights and activations allows.
+RTOL = {"32-true": 1e-5, "bf16-mixed": 3e-2, "16-mixed": 1e-2}
+
+
+@dataclass(frozen=True)
+class Cell:
+    layout: str = "dp2"
+    zero: int = 0
+    precision: str = "32-true"
+    accumulate: int = 1
+    recompute: str = "none"
+    offload: str = "none"
+    sequence_parallel: bool = False
+    clip: str = "none"
+    targets: str = "plain"
+    last_batch: str = "even"
+    params: str = "all"
+    optimizers: str = "one"
+    resume: str = "no"
+    forwards: int = 1  # not a matrix factor: model calls per training step (tests of the pipeline)
+
+    @property
+    def id(self) -> str:
+        defaults = Cell()
+        extra = [f"{k}={v}" for k, v in asdict(self).items() if k not in CORE and v != getattr(defaults, k)]
+        return "|".join([self.layout, f"zero{self.zero}", self.precision, f"acc{self.accumulate}", *extra])
+
+    @property
+    def world(self) -> int:
+        return world_of(self.layout)
+
+    def reference_key(self) -> tuple:
+        """What the one-process reference depends on: the math, not the layout."""
+        return (self.accumulate, self.clip, self.targets, self.last_batch, self.params, self.optimizers, self.forwards)
+
+
+def world_of(layout: str) -> int:
+    spec = LAYOUTS[layout]
+    return spec["data_parallel"] * spec.get("tensor_parallel", 1) * spec.get("pipeline_parallel", 1)
+
+
+# -- what the strategy refuses (the order is the order its checks run in) ----------------------------
+RULES: list[tuple[tuple[str, ...], Callable[[dict[str, Any]], bool], str]] = [
+    (("offload", "zero"), lambda c: c["offload"] != "none" and c["zero"] == 0, r"offload_optimizer='(cpu|nvme)' offloads the ZeRO optimizer's shard and needs zero_stage >= 1"),
+    (("zero", "layout"), lambda c: c["zero"] == 3 and LAYOUTS[c["layout"]].get("pipeline_parallel", 1) > 1, r"zero_stage=3 with pipeline_parallel > 1"),
+    (("zero", "sequence_parallel", "layout"), lambda c: c["zero"] == 3 and c["sequence_parallel"] and LAYOUTS[c["layout"]].get("tensor_parallel", 1) > 1, r"zero_stage=3 with sequence_parallel=True"),
+    (("offload", "zero"), lambda c: c["offload"] == "nvme" and c["zero"] == 3, r"NVMe offload with zero_stage=3"),
+    # at set-up, when the optimizers exist: the matrix's second optimizer is SGD
+    (("offload", "optimizers"), lambda c: c["offload"] == "nvme" and c["optimizers"] == "two", r"offload_optimizer='nvme' streams Adam/AdamW state; SGD is not supported there"),
+]
+
+
+def refusal(values: dict[str, Any]) -> Optional[str]:
+    """The message pattern the strategy refuses these (possibly partial) values with, if a rule applies."""
+    for factors, applies, message in RULES:
+        if all(f in values for f in factors) and applies(values):
+            return message
+    return None
+
+
+# -- which cells -----------------------------------------------------------------------------------------
+def _ordered(items: Iterable[tuple[str, Any]]) -> tuple:
+    order = list(FACTORS)
+    return tuple(sorted(items, key=lambda kv: order.index(kv[0])))
+
+
+def _new_tuples(chosen: dict[str, Any], name: str, value: Any, strength: int) -> Iterable[tuple]:
+    """The tuples that assigning ``name=value`` completes together with values already chosen."""
+    for others in itertools.combinations(chosen.items(), strength - 1):
+        yield _ordered([*others, (name, value)])
+
+
+def _minimal_refused(t: tuple) -> tuple:
+    """The smallest part of a refused tuple that is refused by itself (what its refused cell shows)."""
+    for size in range(1, len(t) + 1):
+        for sub in itertools.combinations(t, size):
+            if refusal(dict(sub)) is not None:
+                return _ordered(sub)
+    return t
+
+
+def covering_array(strength: int = 2, seed: int = 0, candidates: int = 24) -> list[Cell]:
+    """Cells in which every ``strength``-tuple of factor values appears: in a cell that trains when
+    some cell containing it can, otherwise in a refused cell (greedy, AETG-style, seeded)."""
+    rng = random.Random(seed)
+    names = list(FACTORS)
+    every = {
+        _ordered(t)
+        for combo in itertools.combinations(names, strength)
+        for t in itertools.product(*[[(n, v) for v in FACTORS[n]] for n in combo])
+    }
+    refused = {_minimal_refused(t) for t in every if refusal(dict(t)) is not None}
+    uncovered = {t for t in every if refusal(dict(t)) is None}
+    cells: list[Cell] = []
+    while uncovered:
+        pool = sorted(uncovered, key=repr)
+        target = pool[rng.randrange(len(pool))]
+        best: Optional[tuple[int, dict[str, Any]]] = None
+        for _ in range(candidates):
+            chosen = dict(target)
+            order = [n for n in names if n not in chosen]
+            rng.shuffle(order)
+            for name in order:
+                options = [
+                    (sum(t in uncovered for t in _new_tuples(chosen, name, v, strength)), rng.random(), v)
+                    for v in FACTORS[name]
+                    if refusal({**chosen, name: v}) is None
+                ]
+                if not options:
+                    break
+                chosen[name] = max(options)[2]
+            if len(chosen) == len(names):
+                gain = sum(t in uncovered for t in itertools.combinations(_ordered(chosen.items()), strength))
+                if best is None or gain > best[0]:
+                    best = (gain, chosen)
+        if best is None:  # the tuple occurs only in refused cells after all
+            uncovered.discard(target)
+            refused.add(_minimal_refused(target))
+            continue
+        cells.append(Cell(**best[1]))
+        uncovered -= set(itertools.combinations(_ordered(best[1].items()), strength))
+    cells += [Cell(**dict(t)) for t in sorted(refused, key=repr)]
+    return cells
+
+
+def full_matrix() -> list[Cell]:
+    """``make test-matrix``: the full product of the core factors (layout x ZeRO x precision x
+    accumulation) with every value of every other factor, one feature at a time, plus the 3-wise
+    covering array (every triple of values, so features also meet each other and the core in threes).
+    The literal product of all thirteen factors (see :func:`product_size`) would take weeks here."""
+    cells: list[Cell] = []
+    features = [n for n in FACTORS if n not in CORE]
+    for core in itertools.product(*[FACTORS[n] for n in CORE]):
+        base = dict(zip(CORE, core))
+        cells.append(Cell(**base))
+        for name in features:
+            for value in FACTORS[name][1:]:
+                cells.append(Cell(**base, **{name: value}))
+    seen = set(cells)
+    cells += [c for c in covering_array(strength=3) if c not in seen]
+    return cells
+
+
+def product_size() -> int:
+    return int(np.prod([len(v) for v in FACTORS.values()]))
+
+
+# -- one cell ------------------------------------------------------------------------------------------------
+class MatrixGPT(GPTModule):
+    """The tiny GPT of the matrix, with the cell's model-side features:
+
+    * ``targets="masked"``: targets whose input token is a multiple of 5 are ``IGNORE_INDEX``
+      (counts differ between samples, micro-batches and replicas).
+    * ``params="unused-frozen"``: a layer that never gets a gradient, and the position embedding
+      frozen for batches 2-3 and trained again after (its Adam step count falls behind the rest).
+    * ``optimizers="two"``: manual optimization with AdamW on the blocks and SGD with momentum on
+      the rest, accumulation and clipping done by the step code as users write them.
+    """
+
+    def __init__(self, cell: Cell) -> None:
+        # a fixed schedule length: a resumed cell runs epoch 1 alone first and must see the same LRs
+        super().__init__(GPTConfig(**MODEL), lr=LR, warmup_steps=1, decay_steps=8)
+        self.cell = cell
+        self.automatic_optimization = cell.optimizers == "one"
+        self.unused: Optional[nn.Linear] = None
+        self.unused_initial: list[torch.Tensor] = []
+        self.batches_seen = 0
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.cell.params == "unused-frozen" and self.unused is None:
+            self.unused = nn.Linear(8, 8)
+            self.unused_initial = [t.detach().clone() for t in (self.unused.weight, self.unused.bias)]
+
+    def _targets(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, targets = batch
+        if self.cell.targets == "masked":
+            targets = targets.masked_fill(input_ids % 5 == 0, IGNORE_INDEX)
+        return input_ids, targets
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        wpe = getattr(self.model.wpe, "weight", None)  # a pipeline stub on later stages
+        if self.cell.params == "unused-frozen" and wpe is not None:
+            wpe.requires_grad_(self.batches_seen not in (2, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, targets = self._targets(batch)
+        if self.cell.forwards == 1:
+            loss = self(input_ids, targets)
+        else:  # the model called on parts of the batch, one backward for all (pipelined: one schedule each)
+            parts = zip(input_ids.tensor_split(self.cell.forwards), targets.tensor_split(self.cell.forwards))
+            loss = sum(self(x, y) for x, y in parts) / self.cell.forwards
+        self.batches_seen += 1
+        if self.automatic_optimization:
+            return loss
+        optimizers = self.optimizers()
+        self.manual_backward(loss / self.cell.accumulate)
+        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self.batches_seen % self.cell.accumulate == 0 or last:
+            for opt in optimizers:
+                if self.cell.clip != "none":
+                    algorithm, value = CLIP[self.cell.clip]
+                    self.clip_gradients(opt, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+                opt.step()
+                opt.zero_grad()
+        return loss.detach()
+
+    def configure_optimizers(self) -> Any:
+        if self.automatic_optimization:
+            return super().configure_optimizers()
+        blocks = {id(p) for p in self.model.blocks.parameters()}
+        params = list({id(p): p for p in self.parameters()}.values())
+        first = torch.optim.AdamW([p for p in params if id(p) in blocks], lr=LR, weight_decay=0.1)
+        second = torch.optim.SGD([p for p in params if id(p) not in blocks], lr=0.05, momentum=0.9)
+        return first, second
+
+    def configure_callbacks(self) -> list:
+        return []
+
+
+def matrix_loader(last_batch: str, dp: int) -> DataLoader:
+    tokens = torch.from_numpy(stdlib_bytes(20_000).astype(np.int64))
+    n, t = SAMPLES[last_batch], MODEL["block_size"]
+    windows = tokens[: n * (t + 1)].view(n, t + 1)
+    return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=GLOBAL_BATCH // dp, drop_last=False)
+
+
+def _strategy(cell: Cell, layout: str, tmp: Path) -> ThreeDParallelStrategy:
+    kwargs: dict[str, Any] = dict(LAYOUTS[layout])
+    kwargs.update(
+        zero_stage=cell.zero, bucket_size_mb=0.02, activation_checkpointing=None if cell.recompute == "none" else cell.recompute,
+        offload_optimizer=None if cell.offload == "none" else cell.offload, sequence_parallel=cell.sequence_parallel, timeout=300,
+    )
+    if cell.offload == "nvme":
+        path = tmp / "nvme"
+        path.mkdir(parents=True, exist_ok=True)
+        kwargs["nvme_path"] = str(path)
+    return ThreeDParallelStrategy(**kwargs)
+
+
+def _trainer(cell: Cell, layout: str, tmp: Path, recorder: LossRecorder, epochs: int) -> L.Trainer:
+    kwargs: dict[str, Any] = dict(
+        max_epochs=epochs, limit_val_batches=0, callbacks=[recorder], strategy=_strategy(cell, layout, tmp),
+        precision=cell.precision, default_root_dir=str(tmp),
+    )
+    if cell.optimizers == "one":
+        kwargs["accumulate_grad_batches"] = cell.accumulate
+        if cell.clip != "none":
+            algorithm, value = CLIP[cell.clip]
+            kwargs.update(gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+    return quiet_trainer(**kwargs)
+
+
+def _partner(cell: Cell) -> str:
+    for layout in PARTNERS[cell.layout]:
+        if refusal({**asdict(cell), "layout": layout}) is None:
+            return layout
+    raise AssertionError(f"no partner layout for {cell.id}")
+
+
+def run_cell(cell: Cell, tmp: str) -> dict[str, Any]:
+    """Train the cell on this world (every rank calls it). Returns this rank's losses and whether the
+    unused layer stayed untouched, or ``{"refused": message}``."""
+    work = Path(tmp) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", cell.id)
+    dp = LAYOUTS[cell.layout]["data_parallel"]
+    L.seed_everything(0)
+    model = MatrixGPT(cell)
+    recorder = LossRecorder()
+    expected = refusal(asdict(cell))
+    try:
+        trainer = _trainer(cell, cell.layout, work, recorder, 1 if cell.resume != "no" else EPOCHS)
+        trainer.fit(model, matrix_loader(cell.last_batch, dp))
+    except (ValueError, NotImplementedError, TypeError) as err:
+        if expected is None:
+            raise
+        return {"refused": str(err)}
+    losses = list(recorder.losses)
+    if cell.resume != "no":
+        path = str(work / "epoch1.ckpt")
+        trainer.save_checkpoint(path)
+        partner = _partner(cell)
+        L.seed_everything(0)
+        model = MatrixGPT(cell)
+        model.batches_seen = len(losses)
+        recorder = LossRecorder()
+        trainer = _trainer(cell, partner, work / "resumed", recorder, EPOCHS)
+        trainer.fit(model, matrix_loader(cell.last_batch, LAYOUTS[partner]["data_parallel"]), ckpt_path=path)
+        losses += recorder.losses
+    return {"losses": losses, "unused_unchanged": _unchanged(model)}
+
+
+def _unchanged(model: MatrixGPT) -> bool:
+    """The unused layer still holds its initial values (it never had a gradient). Collective under ZeRO-3."""
+    if model.unused is None:
+        return True
+    current = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (model.unused.weight, model.unused.bias)]
+    return all(torch.equal(c.detach().float(), i.to(c.dtype).float()) for c, i in zip(current, model.unused_initial))
+
+
+def reference_of(cell: Cell) -> list[float]:
+    """One process, fp32, no parallel features: the losses every layout must reproduce."""
+    one = replace(cell, layout="one", zero=0, precision="32-true", recompute="none", offload="none", sequence_parallel=False, resume="no")
+    with tempfile.TemporaryDirectory(prefix="l3d-ref-") as tmp:
+        return run_cell(one, tmp)["losses"]
+
+
+def global_losses(per_rank: list[dict[str, Any]]) -> np.ndarray:
+    """The batch loss of each step: the mean over ranks (tp and pp peers hold the same value; data-
+    parallel replicas' losses average to the batch's target mean)."""
+    return np.mean(np.array([r["losses"] for r in per_rank]), axis=0)
+
+
+def cells_by_world(cells: Iterable[Cell]) -> dict[int, list[Cell]]:
+    worlds: dict[int, list[Cell]] = {}
+    for cell in cells:
+        worlds.setdefault(cell.world, []).append(cell)
+    return worlds
+
+
+def run_world(cells: list[Cell], tmp: str) -> dict[str, Any]:
+    """Every cell of one world size, in order, on every rank (a failure is kept as a traceback)."""
+    from tests.helpers import run_checks
+
+    return run_checks({cell.id: (lambda cell=cell: run_cell(cell, tmp)) for cell in cells})
+
+
+def run_references(cells: list[Cell]) -> dict[str, Any]:
+    from tests.helpers import run_checks
+
+    keys = {cell.reference_key(): cell for cell in cells}
+    return run_checks({repr(key): (lambda cell=cell: reference_of(cell)) for key, cell in keys.items()})
+
+
+def check_cell(cell: Cell, per_rank: list[Any], references: dict[str, Any]) -> str:
+    """Assert the cell's outcome; returns "refused" or "trained"."""
+    from tests.helpers import result_of
+
+    outcomes = [result_of(r, cell.id) for r in per_rank]
+    expected = refusal(asdict(cell))
+    if expected is not None:
+        for outcome in outcomes:
+            assert "refused" in outcome, f"{cell.id}: expected a refusal matching {expected!r}, but it trained"
+            assert re.search(expected, outcome["refused"]), f"{cell.id}: refused with {outcome['refused']!r}, expected {expected!r}"
+        return "refused"
+    reference = result_of(references, repr(cell.reference_key()))
+    ours = global_losses(outcomes)
+    assert len(ours) == len(reference), (cell.id, len(ours), len(reference))
+    np.testing.assert_allclose(ours, reference, rtol=RTOL[cell.precision], err_msg=cell.id)
+    assert all(o["unused_unchanged"] for o in outcomes), f"{cell.id}: a parameter without gradients changed"
+    return "trained"
