@@ -661,7 +661,9 @@ class ZeroOptimizer:
         for slot, bucket in enumerate(self.buckets):
             if not all(id(p) in dense for p in bucket.params):
                 continue
-            flat = torch.zeros(bucket.padded, dtype=self.master_dtype, device=bucket.param_buf.device)
+            # the NVMe file holds fp32 masters whatever the master dtype: keep what the checkpoint has
+            dtype = torch.float32 if self.store is not None else self.master_dtype
+            flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.param_buf.device)
             for i, p in enumerate(bucket.params):
                 bucket.view(flat, i).copy_(_local(dense[id(p)], get_spec(p)))
             if self.store is not None:
