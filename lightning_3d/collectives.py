@@ -4,20 +4,25 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 
-def broadcast_tensors(tensors: Iterable[Tensor], group: dist.ProcessGroup, src: int) -> None:
-    """Broadcast ``tensors`` in place from global rank ``src``, one flat message per (device, dtype)."""
+def broadcast_tensors(tensors: Iterable[Tensor], group: dist.ProcessGroup, src: int, device: Optional[torch.device] = None) -> None:
+    """Broadcast ``tensors`` in place from global rank ``src``, one flat message per (device, dtype).
+    ``device``: where the message travels (the compute device; NCCL refuses host tensors, e.g. CPU-
+    offloaded shards)."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for t in tensors:
         by_kind[(t.device, t.dtype)].append(t)
     for kind in sorted(by_kind, key=str):  # same order on every rank
         members = by_kind[kind]
         flat = torch.cat([t.detach().reshape(-1) for t in members])
+        if device is not None and flat.device != device:
+            flat = flat.to(device)
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         for t in members:
@@ -25,7 +30,7 @@ def broadcast_tensors(tensors: Iterable[Tensor], group: dist.ProcessGroup, src: 
             offset += t.numel()
 
 
-def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup, src: int) -> None:
+def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup, src: int, device: Optional[torch.device] = None) -> None:
     """Make every replica in ``group`` start from ``src``'s parameters and buffers.
 
     DTensors (already sharded by ZeRO-3) are skipped: each rank rightly holds a different shard.
@@ -34,14 +39,16 @@ def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup, src: int
         return
     tensors = [t for t in [*module.parameters(), *module.buffers()] if not hasattr(t, "device_mesh")]
     unique = list({id(t): t for t in tensors}.values())
-    broadcast_tensors(unique, group, src)
+    broadcast_tensors(unique, group, src, device)
 
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def broadcast_tensor_parallel_replicas(module: nn.Module, group: dist.ProcessGroup, src: int) -> None:
+def broadcast_tensor_parallel_replicas(
+    module: nn.Module, group: dist.ProcessGroup, src: int, device: Optional[torch.device] = None
+) -> None:
     """Make the tensors every tensor-parallel rank holds whole (norms, position embeddings, row-parallel
     biases, buffers) identical to ``src``'s, as ``distribute_tensor(..., Replicate())`` would: a user who
     seeds per rank must not get replicas that drift apart. Tensor-parallel shards are left alone; under
@@ -55,4 +62,4 @@ def broadcast_tensor_parallel_replicas(module: nn.Module, group: dist.ProcessGro
         return spec is None or not spec.is_sharded
 
     tensors = [_local(t) for t in [*module.parameters(), *module.buffers()] if replicated(t)]
-    broadcast_tensors(list({id(t): t for t in tensors}.values()), group, src)
+    broadcast_tensors(list({id(t): t for t in tensors}.values()), group, src, device)

@@ -63,7 +63,7 @@ from lightning_3d.pipeline.sequences import find_sequences
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
-from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
+from lightning_3d.tensor_parallel.random import RNGStatesTracker, agree_on_random_state, seed_tracker
 from lightning_3d.topology import Degree, ParallelDims, Topology, use_topology
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES
 from lightning_3d.zero.coordinator import ZeroCoordinator
@@ -279,7 +279,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
         self._rng_tracker = RNGStatesTracker(self.root_device.type)
-        seed_tracker(self._rng_tracker, self._topology.tp_rank, self._topology.pp_rank)
+        base_seed = agree_on_random_state(self._topology, self.root_device)
+        seed_tracker(self._rng_tracker, self._topology.tp_rank, self._topology.pp_rank, base_seed)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._topology.mesh
         log.info("lightning_3d: %r", self._topology)
@@ -338,8 +339,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
                 nvme_path=self.config.nvme_path,
             )
         self._zero.prepare_module(self.model, self.root_device)
-        if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks must agree
-            broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank())
+        if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks (and buffers) must agree
+            broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank(), device=self.root_device)
+            broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank(), device=self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers = self._zero.wrap_optimizers(self.model, self.optimizers)
@@ -356,10 +358,10 @@ class ThreeDParallelStrategy(ParallelStrategy):
         embedding from the first stage, and each model replica from data-parallel rank 0."""
         assert self.model is not None
         topo = self.topology
-        broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank())
+        broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank(), device=self.root_device)
         for runtime in self._pipelines:
             runtime.broadcast_tied()
-        broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank())
+        broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank(), device=self.root_device)
 
     def memory_report(self) -> dict[str, Any]:
         """Per-rank bytes of parameters, gradients, master weights and optimizer state, with the
@@ -570,6 +572,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+        if self._zero is not None:
+            self._zero.module_moved(self.model)  # FSDP2 re-creates its parameters when moved
 
     # -- gradients ------------------------------------------------------------------------
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -73,7 +73,25 @@ def meta_zero3_tp() -> dict[str, Any]:
     quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[recorder], strategy=strategy).fit(model, tiny_data())
     q = model.model.blocks[0].attn.q_proj.weight.to_local()
     finite = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
-    return {"losses": recorder.losses, "std": float(q.std()), "finite": finite}
+    rows = [torch.empty_like(q[0]) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, q[0].contiguous())  # the tp ranks' slices must not repeat each other
+    return {"losses": recorder.losses, "std": float(q.std()), "finite": finite, "tp_slices_differ": not torch.equal(rows[0], rows[1])}
+
+
+def refit_zero3_tp() -> dict[str, Any]:
+    """fit, validate, fit again under ZeRO-3 x tp=2: every set-up moves the module (FSDP2 re-creates its
+    parameters); the tp slices must stay distinct, not be broadcast as if replicated."""
+    L.seed_everything(0)
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=2, strategy=ThreeDParallelStrategy(zero_stage=3, tensor_parallel=2))
+    model, data = tiny_gpt(), tiny_data()
+    trainer.fit(model, data)
+    validated = float(trainer.validate(model, data, verbose=False)[0]["val_loss"])
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model, data)
+    q = model.model.blocks[0].attn.q_proj.weight.to_local()[0].contiguous()
+    rows = [torch.empty_like(q) for _ in range(2)]
+    dist.all_gather(rows, q)
+    return {"val_loss": validated, "steps": trainer.global_step, "tp_slices_differ": not torch.equal(rows[0], rows[1])}
 
 
 class Uncovered(nn.Module):
@@ -183,7 +201,14 @@ def partial_state(b_has_state: bool) -> dict[str, float]:
     saved = reference.state_dict()
     ours = nn.ParameterDict({k: nn.Parameter(v.detach().clone()) for k, v in plain.items()})
     opt = ZeroOptimizer(torch.optim.AdamW(ours.values(), lr=0.1, weight_decay=0.1), dist.group.WORLD, 1)
+    ((ours["a"] * 9.0).sum() + (ours["b"] * 9.0).sum()).backward()  # state that the load must replace
+    opt.grads.after_backward()
+    opt.step()
+    with torch.no_grad():
+        for k in ours:
+            ours[k].copy_(plain[k])
     opt.load_state_dict(saved)
+    opt.load_dense_master({id(ours[k]): plain[k].detach() for k in ours})
     for p in (*plain.values(), *ours.values()):
         p.grad = None
     plain["a"].grad, plain["b"].grad = torch.full((6,), 2.0), torch.full((5,), 3.0)
@@ -194,6 +219,69 @@ def partial_state(b_has_state: bool) -> dict[str, float]:
     error = max(float((ours[k] - plain[k]).abs().max()) for k in ("a", "b"))
     opt.remove()
     return {"max_error": error}
+
+
+# -- micro-batches and replicas whose targets are all masked ----------------------------------------------
+def masked_replica() -> dict[str, float]:
+    """dp=2 where rank 0's targets are all masked: its share of the batch mean is zero (not 0/0 = NaN),
+    and the averaged gradient is one process's on the whole batch."""
+    from lightning_3d.loss_normalization import normalize_over_data_parallel
+    from lightning_3d.pipeline.sequences import gpt_sequence
+
+    config = GPTConfig(**TINY_GPT)
+    g = torch.Generator().manual_seed(3)
+    ids, targets = torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)
+    targets[:2] = -100
+    torch.manual_seed(0)
+    reference = GPT(config)
+    reference(ids, targets).backward()
+    torch.manual_seed(0)
+    model = GPT(config).train()
+    normalize_over_data_parallel(model, gpt_sequence(model), dist.group.WORLD)
+    mine = slice(0, 2) if dist.get_rank() == 0 else slice(2, 4)
+    loss = model(ids[mine], targets[mine])
+    loss.backward()
+    error = 0.0
+    for p, r in zip(model.parameters(), reference.parameters()):
+        dist.all_reduce(p.grad)
+        error = max(error, float((p.grad / 2 - r.grad).abs().max()))
+    return {"loss_finite": float(torch.isfinite(loss)), "grad_error": error}
+
+
+class PromptMasked(GPTModule):
+    """Samples whose first token is 0 have every target masked (prompts): with 4 micro-batches of 2,
+    the first two micro-batches carry no target at all."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, targets = batch
+        return self(input_ids, targets.masked_fill((input_ids[:, :1] == 0), -100))
+
+
+def masked_micro_batches(pipeline_parallel: int) -> list[float]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 256, (16, 17), generator=g)
+    ids[0:4, 0] = ids[8:12, 0] = 0
+    loader = DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    strategy = ThreeDParallelStrategy(pipeline_parallel=pipeline_parallel, micro_batches=4) if pipeline_parallel > 1 else "3d"
+    quiet_trainer(max_steps=2, callbacks=[recorder], strategy=strategy, use_distributed_sampler=False).fit(
+        PromptMasked(GPTConfig(**TINY_GPT), lr=3e-3), loader
+    )
+    return recorder.losses
+
+
+def nvme_stores_never_share_a_file(tmp: str) -> bool:
+    from lightning_3d.zero.offload import NVMeStateStore
+
+    first, second = NVMeStateStore(tmp, 0, [8]), NVMeStateStore(tmp, 0, [8])
+    distinct = first.path != second.path
+    first.close()
+    alive = second.path.exists()
+    second.close()
+    return distinct and alive
 
 
 # -- 12. state_dict on one rank only ------------------------------------------------------------------------
@@ -264,6 +352,26 @@ def replicas_agree() -> dict[str, Any]:
         out[f"wpe_{when}"] = torch.equal(by[(0, 0, 0)]["wpe"], by[(0, 0, 1)]["wpe"])
         out[f"tied_{when}"] = all(torch.equal(by[(0, 0, t)]["tied"], by[(1, 0, t)]["tied"]) for t in (0, 1))
     return out
+
+
+class GeneratorStates(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+
+def generators_agree_within_a_replica() -> list[Any]:
+    """Ranks seeded differently (and no Lightning seed): tp and pp peers still share one generator state,
+    so a sampler or dropout drawing from it gives them the same batch and masks."""
+    import os
+
+    os.environ.pop("PL_GLOBAL_SEED", None)
+    torch.manual_seed(100 + dist.get_rank())
+    record = GeneratorStates()
+    strategy = ThreeDParallelStrategy(tensor_parallel=2, pipeline_parallel=2)
+    quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[record], strategy=strategy).fit(tiny_gpt(), tiny_data())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record.state)
+    return gathered
 
 
 # -- 10. dropout randomness ---------------------------------------------------------------------------------
@@ -369,13 +477,16 @@ def dp2_world(tmp: str) -> dict[str, Any]:
         "whole_masters": whole_parameter_masters,
         "partial_state_stepped": lambda: partial_state(True),
         "partial_state_missing": lambda: partial_state(False),
+        "masked_replica": masked_replica,
     }
     checks.update({name: (lambda c=c: run_cell(c, tmp)) for name, c in ITEM_CELLS.items() if c.world == 2 and c.layout == "dp2"})
     return run_checks(checks)
 
 
 def pp2_world(tmp: str) -> dict[str, Any]:
-    return run_checks({name: (lambda c=c: run_cell(c, tmp)) for name, c in ITEM_CELLS.items() if c.layout in ("pp2", "pp2-v2")})
+    checks: dict[str, Any] = {name: (lambda c=c: run_cell(c, tmp)) for name, c in ITEM_CELLS.items() if c.layout in ("pp2", "pp2-v2")}
+    checks["masked_micro_batches"] = lambda: masked_micro_batches(2)
+    return run_checks(checks)
 
 
 def tp2_world() -> dict[str, Any]:
@@ -383,6 +494,7 @@ def tp2_world() -> dict[str, Any]:
         {
             "meta": meta_zero3_tp,
             "meta_uncovered": meta_uncovered,
+            "refit": refit_zero3_tp,
             "adafactor_tp2": lambda: refused_optimizer("adafactor", tensor_parallel=2),
             "gpt2_dropout": gpt2_attention_dropout,
         }
@@ -390,7 +502,11 @@ def tp2_world() -> dict[str, Any]:
 
 
 def four_world(tmp: str) -> dict[str, Any]:
-    checks: dict[str, Any] = {"replicas": replicas_agree, "dropout_streams": pipeline_dropout_streams}
+    checks: dict[str, Any] = {
+        "replicas": replicas_agree,
+        "dropout_streams": pipeline_dropout_streams,
+        "generators": generators_agree_within_a_replica,
+    }
     checks.update({name: (lambda c=c: run_cell(c, tmp)) for name, c in ITEM_CELLS.items() if c.world == 4})
     return run_checks(checks)
 
@@ -415,9 +531,15 @@ def four(tmp_path_factory) -> list[dict[str, Any]]:
     return run_on_ranks(four_world, 4, str(tmp_path_factory.mktemp("combo-4")), timeout=900)
 
 
+def reference_world() -> dict[str, Any]:
+    out = run_references(list(ITEM_CELLS.values()))
+    out["masked_micro_batches"] = masked_micro_batches(1)
+    return out
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[str, Any]:
-    return run_on_ranks(run_references, 1, list(ITEM_CELLS.values()), timeout=600)[0]
+    return run_on_ranks(reference_world, 1, timeout=600)[0]
 
 
 def _world_of(request: Any, cell: Cell) -> list[Any]:
@@ -442,6 +564,13 @@ def test_meta_device_model_under_zero3_and_tensor_parallel_is_initialized(tp2):
         assert run["std"] == pytest.approx(0.02, abs=0.004)  # GPT's init on the column-parallel shard
         assert abs(run["losses"][0] - np.log(256)) < 0.1
         assert run["losses"][-1] < run["losses"][0] - 0.1
+        assert run["tp_slices_differ"]  # not the same random draws on both tp ranks (duplicated heads)
+
+
+def test_zero3_tensor_parallel_shards_survive_fit_validate_fit(tp2):
+    for r in tp2:
+        run = result_of(r, "refit")
+        assert np.isfinite(run["val_loss"]) and run["steps"] == 4 and run["tp_slices_differ"]
 
 
 def test_meta_device_parameter_without_reset_is_named(tp2):
@@ -501,6 +630,11 @@ def test_replicated_parameters_agree_across_tensor_and_pipeline_ranks(four):
         assert run == {"wpe_start": True, "tied_start": True, "wpe_end": True, "tied_end": True}
 
 
+def test_tensor_and_pipeline_peers_share_one_generator_state(four):
+    states = result_of(four[0], "generators")
+    assert len(set(states)) == 1, states
+
+
 # 10 --------------------------------------------------------------------------------------------------------
 def test_pipeline_stages_draw_dropout_from_their_own_streams(four):
     states = result_of(four[0], "dropout_streams")
@@ -518,6 +652,24 @@ def test_hf_gpt2_attention_dropout_differs_per_tensor_parallel_rank(tp2):
 def test_partial_optimizer_state_loads_per_parameter(dp2, name):
     for r in dp2:
         assert result_of(r, name)["max_error"] < 1e-6
+
+
+# zero-count micro-batches and replicas -----------------------------------------------------------------------
+def test_a_micro_batch_without_targets_contributes_nothing_not_nan(pp2, references):
+    reference = result_of(references, "masked_micro_batches")
+    assert np.isfinite(reference).all()
+    for r in pp2:
+        np.testing.assert_allclose(result_of(r, "masked_micro_batches"), reference, rtol=1e-5)
+
+
+def test_a_replica_without_targets_contributes_nothing_not_nan(dp2):
+    for r in dp2:
+        run = result_of(r, "masked_replica")
+        assert run["loss_finite"] == 1.0 and run["grad_error"] < 1e-6
+
+
+def test_nvme_stores_never_share_a_file(tmp_path):
+    assert nvme_stores_never_share_a_file(str(tmp_path))
 
 
 # 12 --------------------------------------------------------------------------------------------------------

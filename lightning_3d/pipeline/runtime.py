@@ -311,10 +311,10 @@ class PipelineRuntime:
                 out = self._piece_forward(piece, x, micro[action.micro])
                 if piece == self.pieces - 1:
                     if out.loss is not None:
-                        losses.append(out.loss.detach().float() * weights[action.micro])
+                        losses.append(_weighted(out.loss.detach().float(), weights[action.micro]))
                     heads.append(out)
                     if train:
-                        stored[key] = (x, out.loss * weights[action.micro])
+                        stored[key] = (x, _weighted(out.loss, weights[action.micro]))
                 else:
                     outbox[key] = out
                     if train:
@@ -410,6 +410,12 @@ class PipelineRuntime:
         out = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self._device())
         dist.broadcast(out, src, group)
         return out
+
+
+def _weighted(loss: Tensor, weight: float) -> Tensor:
+    """A micro-batch's share of the batch loss. One whose targets are all masked (weight 0) has a
+    NaN mean (0/0): it contributes zero, and zero gradients, as it does to the batch mean."""
+    return loss.nan_to_num(0.0) * 0.0 if weight == 0 else loss * weight
 
 
 def _has_targets(batch: Inputs) -> bool:

@@ -64,20 +64,21 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = F
         raise ValueError(f"pipeline schedule needs p, m, v >= 1 (got p={p}, m={m}, v={v}).")
     if name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"virtual_stages={v} needs pipeline_schedule='interleaved_1f1b' (got {name!r}).")
-    schedule = _actions(name, p, m, v, forward_only, 0)
-    if name == "interleaved_1f1b" and m % p and not forward_only:
-        # A short last group can leave the standard warm-up too small to keep every rank fed;
-        # warm up a little more (more forwards in flight for this one step) until the schedule
-        # provably runs. Warming up everything (GPipe order) always does, so this terminates.
-        from lightning_3d.pipeline.simulator import ScheduleDeadlock, simulate
+    if name != "interleaved_1f1b" or not m % p or forward_only:
+        return _actions(name, p, m, v, forward_only, 0)
+    # A short last group can leave the standard warm-up too small to keep every rank fed; warm up a
+    # little more (more forwards in flight for this one step) until the simulator shows the schedule
+    # runs. Warming up everything (GPipe order) always does, so a schedule is always found.
+    from lightning_3d.pipeline.simulator import ScheduleDeadlock, simulate
 
-        for extra in range(1, m * v + 1):
-            try:
-                simulate(schedule)
-                break
-            except ScheduleDeadlock:
-                schedule = _actions(name, p, m, v, forward_only, extra)
-    return schedule
+    for extra in range(m * v + 1):
+        schedule = _actions(name, p, m, v, forward_only, extra)
+        try:
+            simulate(schedule)
+            return schedule
+        except ScheduleDeadlock:
+            continue
+    raise AssertionError(f"no deadlock-free interleaved schedule for p={p}, m={m}, v={v}")
 
 
 def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup: int) -> list[list[Action]]:

@@ -158,3 +158,28 @@ def seed_tracker(tracker: RNGStatesTracker, tp_rank: int, pp_rank: int = 0, base
     base = torch.initial_seed() if base_seed is None else base_seed
     tracker.add(TENSOR_PARALLEL_RNG, tensor_parallel_seed(base, tp_rank, pp_rank))
     tracker.add(PIPELINE_STAGE_RNG, pipeline_stage_seed(base, pp_rank))
+
+
+def agree_on_random_state(topology: Any, device: torch.device) -> int:
+    """Give every rank of a model replica (its tp and pp peers) the generator state and seed of the
+    replica's first rank, and return that seed. Peers must load the same batch (a sampler drawing
+    from the default generator) and draw replicated dropout alike, even when the user seeded each
+    rank differently or not at all; data-parallel replicas keep their own."""
+    import torch.distributed as dist
+
+    seed = torch.tensor([torch.initial_seed()], dtype=torch.int64, device=device)
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    for group, src in ((topology.tp_group, topology.tp_source_rank()), (topology.pp_group, topology.first_stage_rank())):
+        if dist.get_world_size(group) == 1:
+            continue
+        dist.broadcast(seed, src, group)
+        for i, state in enumerate(states):
+            moved = state.to(device)  # NCCL takes device tensors only
+            dist.broadcast(moved, src, group)
+            states[i] = moved.cpu()
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+    return int(seed.item())

@@ -67,7 +67,9 @@ class ZeroCoordinator:
         mixed = (self.compute_dtype, torch.float32) if self.mixed else (None, None)
         offload = "cpu" in (self.offload_optimizer, self.offload_params)
         self.fsdp_roots = apply_zero3(module, self.topology.mesh["dp"], *mixed, cpu_offload=offload)
-        materialize_meta(module, device)
+        # a seed per rank: dp chunks and tp slices of one weight must not repeat each other's values
+        materialize_meta(module, device, seed=torch.initial_seed() + 104729 * (self.topology.rank + 1), mesh=self.topology.mesh["dp"])
+        restore_specs(module)  # to_empty() re-created FSDP2's parameters
 
     def module_moved(self, module: nn.Module) -> None:
         """After Lightning moved the module (``.cpu()`` at teardown): FSDP2 re-created its parameters."""

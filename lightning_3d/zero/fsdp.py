@@ -12,9 +12,12 @@ then each top-level child of the LightningModule that owns parameters (the model
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -72,7 +75,31 @@ def restore_specs(root: nn.Module) -> None:
             set_spec(p, specs[name])
 
 
-def materialize_meta(root: nn.Module, device: torch.device) -> bool:
+@contextmanager
+def _per_rank_random(seed: int, device: torch.device, mesh: Optional[DeviceMesh]) -> Iterator[None]:
+    """Random ops on DTensor chunks draw locally, from a generator seeded per rank. DTensor's own
+    RNG (on CUDA) offsets only by a chunk's place in the dp mesh, so tensor-parallel peers -- which
+    hold different slices of a weight -- would draw identical values (duplicated heads)."""
+    from torch.distributed.tensor import _random as dtensor_random
+
+    tracker = getattr(dtensor_random, "_rng_tracker", None)
+    if tracker is None and mesh is not None and device.type == "cuda":
+        tracker = dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(mesh)
+    enabled = getattr(tracker, "distribute_region_enabled", None)
+    if tracker is not None:
+        tracker.distribute_region_enabled = False
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            torch.default_generator.manual_seed(seed)
+            if device.type == "cuda":
+                torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
+            yield
+    finally:
+        if tracker is not None:
+            tracker.distribute_region_enabled = enabled
+
+
+def materialize_meta(root: nn.Module, device: torch.device, seed: int = 0, mesh: Optional[DeviceMesh] = None) -> bool:
     """Allocate this rank's shards of a model built on the meta device and initialize them.
 
     Returns whether anything was on the meta device. Initialization runs every module's
@@ -85,7 +112,7 @@ def materialize_meta(root: nn.Module, device: torch.device) -> bool:
     if not any(_is_meta(p) for p in root.parameters()):
         return False
     root.to_empty(device=device)
-    with torch.no_grad():
+    with torch.no_grad(), _per_rank_random(seed, device, mesh):
         for t in [*root.parameters(), *root.buffers()]:
             if t.is_floating_point():
                 _local(t).fill_(float("nan"))
@@ -98,11 +125,15 @@ def materialize_meta(root: nn.Module, device: torch.device) -> bool:
         for name, t in [*root.named_parameters(), *root.named_buffers()]
         if t.is_floating_point() and bool(torch.isnan(_local(t)).any())
     ]
-    if missing:
+    flag = torch.tensor(float(bool(missing)), device=device)
+    if dist.is_available() and dist.is_initialized():  # every rank raises, or none does (no hang)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
         raise ValueError(
-            f"zero_stage=3 materialized the meta-device model, but no reset_parameters() initialized {missing[:5]}"
-            f"{' and more' if len(missing) > 5 else ''}: their memory is uninitialized. Give the modules that own them "
-            f"a reset_parameters() (or the model one that covers them), or build the model on a real device."
+            f"zero_stage=3 materialized the meta-device model, but no reset_parameters() initialized "
+            f"{missing[:5] or 'parts held by other ranks'}{' and more' if len(missing) > 5 else ''}: their memory is "
+            f"uninitialized. Give the modules that own them a reset_parameters() (or the model one that covers "
+            f"them), or build the model on a real device."
         )
     return True
 

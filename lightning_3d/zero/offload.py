@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import weakref
 import queue
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+_STORES = itertools.count()
 NVME_CHUNK = 1 << 20  # elements per streamed chunk (4 MiB per fp32 tensor)
 ADAM_STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -72,8 +74,9 @@ class NVMeStateStore:
                 f"nvme_path={directory!r} has {free / 2**20:.0f} MiB free but rank {rank}'s optimizer state needs "
                 f"{needed / 2**20:.0f} MiB; free space or choose another disk",
             )
-        self.path = root / f"lightning_3d_optimizer_rank{rank}_{os.getpid()}.bin"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # unique per store: two optimizers (or a second fit while the first's state lives) never share
+        self.path = root / f"lightning_3d_optimizer_rank{rank}_{os.getpid()}_{next(_STORES)}.bin"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.regions: list[dict[str, _Region]] = []
         offset = 0
         for n in sizes:

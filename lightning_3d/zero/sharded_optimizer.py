@@ -179,7 +179,8 @@ class ShardedGradients(BucketedBackward[_Bucket]):
             if bucket.grad_shard is None:
                 device = self.grad_device or reduced.device
                 bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=bucket.param_buf.dtype, device=device)
-            bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device, non_blocking=True))
+            # blocking: the host adds right away (a non_blocking device-to-host copy may not have landed)
+            bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device))
         elif bucket.reduced:  # a second synchronizing backward this step: add to the held slice
             bucket.slice_of(bucket.grad_buf).add_(reduced)
         else:  # the staging buffer is consumed: zero it, keep the reduced slice in place
@@ -554,7 +555,8 @@ class ZeroOptimizer:
         return {"state": state, "param_groups": self._groups(index), "zero_segments": segments, "zero_layout": self._layout_key()}
 
     def _layout_key(self) -> list[Any]:
-        return [self.stage, self.dp_size, self.dp_rank, [b.padded for b in self.buckets]]
+        """Who this rank is and what its segments are: a local state loads only into the same."""
+        return [self.stage, dist.get_world_size(), dist.get_rank(), [[p.numel() for p in b.params] for b in self.buckets]]
 
     def _groups(self, index: dict[int, int]) -> list[dict[str, Any]]:
         return [
@@ -578,8 +580,9 @@ class ZeroOptimizer:
             has_state = sorted({i for s in summaries for i in s["scalars"]})
             own = {segment.index: entry for segment, entry in self.segment_states(slot, bucket)}
             flats = {}
+            dtype = torch.float32 if self.store is not None else self.master_dtype  # NVMe state is fp32
             for name in names:
-                flat = torch.zeros(bucket.shard_size, dtype=self.master_dtype, device=bucket.param_buf.device)
+                flat = torch.zeros(bucket.shard_size, dtype=dtype, device=bucket.param_buf.device)
                 for segment in bucket.segments:
                     value = own.get(segment.index, {}).get(name)
                     if value is not None:
@@ -616,11 +619,19 @@ class ZeroOptimizer:
             group.update({k: v for k, v in saved.items() if k != "params"})
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         for slot, bucket in enumerate(self.buckets):
+            # like Optimizer.load_state_dict, the loaded state replaces everything: segments without an
+            # entry start fresh (on NVMe: zero moments, step 0)
             flats: dict[str, Tensor] = {}
+            if self.store is not None:
+                flats = {name: torch.zeros(bucket.shard_size, dtype=torch.float32) for name in ("exp_avg", "exp_avg_sq")}
             for k, segment in enumerate(bucket.segments):
                 p = bucket.params[segment.index]
                 entry = saved_state.get(index[id(p)])
                 if entry is None:
+                    if self.store is not None:
+                        self.nvme_steps[slot][k] = 0
+                    elif self.inner is not None:
+                        self.inner.state.pop(segment.tensor, None)
                     continue
                 state: dict[str, Any] = {}
                 for name, value in entry.items():
