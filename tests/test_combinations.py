@@ -36,6 +36,7 @@ from lightning_3d.testing import run_on_ranks
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.matrix import Cell, check_cell, run_cell, run_references
+from tests.test_zero import MetaGPT
 
 # -- 1. resume with offloaded masters -----------------------------------------------------------------
 def offload_resume(tmp: str, stage: int, offload: str, precision: str) -> dict[str, Any]:
@@ -58,13 +59,6 @@ def offload_resume(tmp: str, stage: int, offload: str, precision: str) -> dict[s
 
 
 # -- 2. meta device x ZeRO-3 x tensor parallel ----------------------------------------------------------
-class MetaGPT(GPTModule):
-    def configure_model(self) -> None:
-        if self.model is None:
-            with torch.device("meta"):
-                self.model = GPT(self.config)
-
-
 def meta_zero3_tp() -> dict[str, Any]:
     L.seed_everything(0)
     recorder = LossRecorder()

@@ -83,12 +83,12 @@ def run(dropout: float = 0.0, steps: int = STEPS, **strategy: Any) -> list[float
 def nvme_run(directory: str, stage: int) -> dict[str, Any]:
     """The state file outlives fit (a checkpoint may be saved after it) and goes with the optimizer."""
     trainer, losses = fit(zero_stage=stage, offload_optimizer="nvme", nvme_path=directory)
-    mine = f"lightning_3d_optimizer_rank{torch.distributed.get_rank()}_{os.getpid()}.bin"
-    after_fit = mine in os.listdir(directory)
+    mine = f"lightning_3d_optimizer_rank{torch.distributed.get_rank()}_{os.getpid()}_"
+    after_fit = any(f.startswith(mine) for f in os.listdir(directory))
     trainer.save_checkpoint(os.path.join(directory, "..", f"after-fit-{stage}.ckpt"))
     del trainer
     gc.collect()
-    return {"losses": losses, "after_fit": after_fit, "left": mine in os.listdir(directory)}
+    return {"losses": losses, "after_fit": after_fit, "left": any(f.startswith(mine) for f in os.listdir(directory))}
 
 
 def dp2_world(tmp: str) -> dict[str, Any]:

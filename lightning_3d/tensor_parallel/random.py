@@ -167,7 +167,8 @@ def agree_on_random_state(topology: Any, device: torch.device) -> int:
     rank differently or not at all; data-parallel replicas keep their own."""
     import torch.distributed as dist
 
-    seed = torch.tensor([torch.initial_seed()], dtype=torch.int64, device=device)
+    # an unseeded process has a random 64-bit unsigned seed: fold it into int64 to send it
+    seed = torch.tensor([torch.initial_seed() % (2**63 - 1)], dtype=torch.int64, device=device)
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
