@@ -340,8 +340,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
             )
         self._zero.prepare_module(self.model, self.root_device)
         if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks (and buffers) must agree
-            broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank(), device=self.root_device)
-            broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank(), device=self.root_device)
+            self._synchronize_replicas()
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers = self._zero.wrap_optimizers(self.model, self.optimizers)
