@@ -159,6 +159,7 @@ class ThreeDPrecision(Precision):
             self.scaler = DynamicLossScaler(initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale)
         self.topology: Optional[Topology] = None
         self.device_type = "cpu"
+        self._unscaled: set[int] = set()  # optimizers whose gradients are unscaled for the coming step
 
     @property
     def mixed(self) -> bool:
@@ -194,11 +195,25 @@ class ThreeDPrecision(Precision):
         if overflow:
             optimizer.zero_grad()  # every rank skips this step together
         else:
-            self.unscale_(optimizer, 1.0 / self.scaler.scale)
+            self._unscale_once(optimizer)
             self._after_closure(model, optimizer)
             optimizer.step(**kwargs)
+        self._unscaled.discard(id(_raw(optimizer)))
         self.scaler.update(overflow)
         return closure_result
+
+    def _unscale_once(self, optimizer: Any) -> None:
+        """Unscale an optimizer's gradients once per step, whoever asks first: the step, or clipping
+        that manual optimization calls before ``opt.step()`` (clipping scaled gradients would clip by
+        the loss scale too)."""
+        if self.scaler is not None and id(_raw(optimizer)) not in self._unscaled:
+            self.unscale_(optimizer, 1.0 / self.scaler.scale)
+            self._unscaled.add(id(_raw(optimizer)))
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        if clip_val > 0:
+            self._unscale_once(optimizer)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def found_overflow(self, optimizer: Any) -> bool:
         """A non-finite gradient on any rank (a MAX all-reduce over the world, so all agree)."""
@@ -250,6 +265,11 @@ class ThreeDPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def _raw(optimizer: Any) -> Any:
+    """The optimizer behind Lightning's ``LightningOptimizer`` wrapper (one identity per optimizer)."""
+    return getattr(optimizer, "_optimizer", optimizer)
 
 
 def _params(optimizer: Optimizer) -> list[Tensor]:

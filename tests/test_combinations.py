@@ -12,6 +12,10 @@
 10. dropout was correlated across pipeline stages and across tp ranks inside HF GPT-2 attention;
 11. partial optimizer state dropped a whole bucket's state and shared one ``step``;
 12. ``ZeroOptimizer.state_dict()`` was a collective (a rank-0-only caller hung).
+
+Found while building the matrix: fp16 with manual optimization clipped still-scaled gradients;
+ZeRO-3 checkpoints saved after ``fit`` lost the tensor-parallel shard metadata; a fully masked
+micro-batch or replica turned the loss into NaN; meta-device init gave tp peers the same values.
 """
 
 from __future__ import annotations
@@ -455,6 +459,8 @@ ITEM_CELLS = {
     "clip_value_zero1": Cell(zero=1, clip="value"),
     "clip_value_bf16": Cell(zero=0, precision="bf16-mixed", clip="value"),
     "masked_dp2_zero2": Cell(zero=2, targets="masked"),
+    # found by the matrix: manual optimization clips before opt.step(), i.e. before fp16 unscaling
+    "fp16_manual_clip": Cell(zero=1, precision="16-mixed", clip="norm", optimizers="two"),
 }
 
 
