@@ -35,7 +35,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -71,6 +71,22 @@ from lightning_3d.zero.grad_reducer import GradientReducer
 from lightning_3d.zero.memory import memory_report
 
 log = logging.getLogger(__name__)
+
+
+def _warn_if_sampler_pads(sampler: Any) -> None:
+    """A DistributedSampler without drop_last repeats samples so every replica gets as many: the
+    epoch then differs from one process's. Say so once, with the numbers."""
+    from torch.utils.data import DistributedSampler
+
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+        return
+    n, replicas = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
+    if n % replicas:
+        rank_zero_warn(
+            f"lightning_3d: the training set has {n} samples, which {replicas} data-parallel replicas do not "
+            f"divide: the distributed sampler repeats {replicas - n % replicas} of them every epoch (one process "
+            f"would not). Use a sample count divisible by {replicas}, or drop the remainder."
+        )
 
 
 class ThreeDParallelStrategy(ParallelStrategy):
@@ -426,19 +442,21 @@ class ThreeDParallelStrategy(ParallelStrategy):
         return self._pipelines
 
     def on_train_start(self) -> None:
-        """Refuse, before the first step, a batch the configured micro-batch count cannot split."""
-        m = self.config.micro_batches
+        """Before the first step: refuse a batch the configured micro-batch count cannot split, and
+        say when the sampler will repeat samples."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if m is None or self.config.pipeline_parallel == 1 or trainer is None:
-            return
-        loader = trainer.fit_loop._combined_loader
-        sizes = [getattr(dl, "batch_size", None) for dl in (loader.flattened if loader is not None else [])]
-        for size in sizes:
-            if size is not None and size % m:
-                raise ValueError(
-                    f"micro_batches={m} does not divide the per-replica batch size {size}; choose a divisor of {size} "
-                    f"or leave micro_batches=None."
-                )
+        loader = trainer.fit_loop._combined_loader if trainer is not None else None
+        loaders = loader.flattened if loader is not None else []
+        m = self.config.micro_batches
+        if m is not None and self.config.pipeline_parallel > 1:
+            for size in [getattr(dl, "batch_size", None) for dl in loaders]:
+                if size is not None and size % m:
+                    raise ValueError(
+                        f"micro_batches={m} does not divide the per-replica batch size {size}; choose a divisor of {size} "
+                        f"or leave micro_batches=None."
+                    )
+        for dl in loaders:
+            _warn_if_sampler_pads(getattr(dl, "sampler", None))
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

@@ -67,14 +67,15 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2-pp2-v2": dict(data_parallel=1, tensor_parallel=2, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=4),
     "dp2-tp2-pp2": dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=2),
     "pp2-v2": dict(data_parallel=1, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=8),
-    "dp4": dict(data_parallel=4),
-    "dp8": dict(data_parallel=8),
+    "tp4": dict(data_parallel=1, tensor_parallel=4),
+    "dp2-tp4": dict(data_parallel=2, tensor_parallel=4),
 }
 # A resumed cell continues under another layout of the same world size (the first that its ZeRO
-# stage allows): the checkpoint must reshard.
+# stage allows): the checkpoint must reshard. Every data-parallel size here divides the sample
+# counts: otherwise the distributed sampler repeats samples to even out replicas (one process would not).
 PARTNERS: dict[str, tuple[str, ...]] = {
-    "dp2": ("tp2",), "tp2": ("pp2", "dp2"), "pp2": ("dp2",),
-    "dp2-tp2": ("tp2-pp2-v2", "dp4"), "dp2-pp2": ("dp2-tp2",), "tp2-pp2-v2": ("dp2-tp2",), "dp2-tp2-pp2": ("dp8",),
+    "dp2": ("tp2", "pp2"), "tp2": ("pp2", "dp2"), "pp2": ("dp2", "tp2"),
+    "dp2-tp2": ("tp2-pp2-v2", "tp4"), "dp2-pp2": ("dp2-tp2",), "tp2-pp2-v2": ("dp2-tp2",), "dp2-tp2-pp2": ("dp2-tp4",),
 }
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32)
@@ -345,10 +346,13 @@ def _trainer(cell: Cell, layout: str, tmp: Path, recorder: LossRecorder, epochs:
     return quiet_trainer(**kwargs)
 
 
-def _partner(cell: Cell) -> str:
+def _partner(cell: Cell) -> tuple[str, Cell]:
+    """The layout to resume under, and the cell's settings there: sequence parallelism (a no-op at
+    tp=1, where the cell may have asked for it) is dropped if the partner's ZeRO stage refuses it."""
     for layout in PARTNERS[cell.layout]:
-        if refusal({**asdict(cell), "layout": layout}) is None:
-            return layout
+        for settings in (cell, replace(cell, sequence_parallel=False)):
+            if refusal({**asdict(settings), "layout": layout}) is None:
+                return layout, settings
     raise AssertionError(f"no partner layout for {cell.id}")
 
 
@@ -372,12 +376,12 @@ def run_cell(cell: Cell, tmp: str) -> dict[str, Any]:
     if cell.resume != "no":
         path = str(work / "epoch1.ckpt")
         trainer.save_checkpoint(path)
-        partner = _partner(cell)
+        partner, settings = _partner(cell)
         L.seed_everything(0)
         model = MatrixGPT(cell)
         model.batches_seen = len(losses)
         recorder = LossRecorder()
-        trainer = _trainer(cell, partner, work / "resumed", recorder, EPOCHS)
+        trainer = _trainer(settings, partner, work / "resumed", recorder, EPOCHS)
         trainer.fit(model, matrix_loader(cell.last_batch, LAYOUTS[partner]["data_parallel"]), ckpt_path=path)
         losses += recorder.losses
     return {"losses": losses, "unused_unchanged": _unchanged(model)}

@@ -282,6 +282,19 @@ def nvme_stores_never_share_a_file(tmp: str) -> bool:
     return distinct and alive
 
 
+def sampler_repeat_warning() -> list[str]:
+    """21 samples on 2 replicas: the sampler repeats one; the strategy says so before step 1."""
+    import warnings
+
+    from tests.matrix import matrix_loader
+
+    L.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(max_steps=1).fit(tiny_gpt(n_layer=1, block_size=16), matrix_loader("odd", 2))
+    return [str(w.message) for w in caught if "repeats" in str(w.message)]
+
+
 # -- 12. state_dict on one rank only ------------------------------------------------------------------------
 def local_state_dict() -> dict[str, Any]:
     torch.manual_seed(0)
@@ -478,6 +491,7 @@ def dp2_world(tmp: str) -> dict[str, Any]:
         "partial_state_stepped": lambda: partial_state(True),
         "partial_state_missing": lambda: partial_state(False),
         "masked_replica": masked_replica,
+        "sampler_warning": sampler_repeat_warning,
     }
     checks.update({name: (lambda c=c: run_cell(c, tmp)) for name, c in ITEM_CELLS.items() if c.world == 2 and c.layout == "dp2"})
     return run_checks(checks)
@@ -666,6 +680,11 @@ def test_a_replica_without_targets_contributes_nothing_not_nan(dp2):
     for r in dp2:
         run = result_of(r, "masked_replica")
         assert run["loss_finite"] == 1.0 and run["grad_error"] < 1e-6
+
+
+def test_a_sampler_that_repeats_samples_is_reported(dp2):
+    messages = result_of(dp2[0], "sampler_warning")  # rank 0 warns
+    assert any("21 samples" in m and "repeats 1 of them" in m for m in messages), messages
 
 
 def test_nvme_stores_never_share_a_file(tmp_path):
