@@ -5,6 +5,7 @@ Importing this package registers the strategy name ``"3d"``, so ``Trainer(strate
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_3d import precision_flag
 from lightning_3d.config import ParallelConfig
 from lightning_3d.strategy import ThreeDParallelStrategy
 from lightning_3d.topology import Coordinates, ParallelDims, Topology
@@ -17,6 +18,7 @@ StrategyRegistry.register(
     description="lightning_3d: data x tensor x pipeline parallel with ZeRO",
     override=True,
 )
+precision_flag.install()  # Trainer(strategy="3d", precision=<unsupported>) is refused by name, not by ImportError
 
 __all__ = [
     "Coordinates",

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -53,7 +54,7 @@ def consolidate_main(argv: list[str]) -> int:
     from lightning_3d.checkpoint.consolidate import consolidate
 
     parser = argparse.ArgumentParser(prog="lightning-3d consolidate", description="Write a sharded checkpoint as one file.")
-    parser.add_argument("checkpoint", help="a sharded checkpoint directory (or its parent's interrupted save)")
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/step=100.ckpt)")
     parser.add_argument("out", help="output file: .pt / .ckpt (a Lightning checkpoint) or .safetensors (weights)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast floating tensors")
     parser.add_argument("--weights-only", action="store_true", help="only the model's state dict")
@@ -98,6 +99,28 @@ def lightning_main(argv: list[str]) -> None:
     )
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the input is wrong": their message is the whole story."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_3d.checkpoint.sharded import CheckpointError
+
+    return (ValueError, CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, MisconfigurationException)
+
+
+def _run(command: str, call: Callable[[], Optional[int]]) -> int:
+    """Run a subcommand; a user error prints one line and exits 2, anything else keeps its traceback
+    (``LIGHTNING_3D_TRACEBACK=1`` shows it for user errors too)."""
+    try:
+        return call() or 0
+    except _user_errors() as err:
+        if os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"lightning-3d {command}: error: {message}", file=sys.stderr, flush=True)
+        return 2
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -105,10 +128,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     commands = {"plan": plan_main, "prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
     if argv[0] in commands:
-        return commands[argv[0]](argv[1:])
+        return _run(argv[0], lambda: commands[argv[0]](argv[1:]))
     if argv[0] in LIGHTNING_SUBCOMMANDS:
-        lightning_main(argv)
-        return 0
+        return _run(argv[0], lambda: lightning_main(argv))
     print(f"lightning-3d: unknown command {argv[0]!r}.\n\n{USAGE}", file=sys.stderr)
     return 2
 

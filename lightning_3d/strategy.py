@@ -53,6 +53,7 @@ from lightning_3d.checkpoint.consolidated import (
     parameter_names,
     shard_state_dict,
 )
+from lightning_3d.checkpoint.compatibility import check_compatible
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed
@@ -520,6 +521,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
+        check_compatible(module, checkpoint)  # one clear message before any shard-shape error
         source = checkpoint["state_dict"]
         dense = {k: source[k] for k in module.state_dict().keys() if k in source}  # other stages' layers skipped
         module.load_state_dict(shard_state_dict(module, dense), strict=strict)

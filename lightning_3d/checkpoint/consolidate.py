@@ -41,7 +41,7 @@ def consolidate(path: str, out: str, dtype: Optional[str] = None, weights_only: 
     """Write ``out`` (``.pt``/``.ckpt`` or ``.safetensors``): the dense state dict, and unless
     ``weights_only`` the rest of a Lightning checkpoint (optimizer state in torch's format included),
     loadable by ``LightningModule.load_from_checkpoint`` or ``nn.Module.load_state_dict``."""
-    checkpoint = ShardedCheckpoint(latest_complete(Path(path)))
+    checkpoint = ShardedCheckpoint(latest_complete(Path(path), fallback=False))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {list(DTYPES)}.")
     state = dense_state_dict(checkpoint, DTYPES.get(dtype) if dtype else None)
@@ -140,7 +140,7 @@ def export_hf(path: str, out_dir: str, prefix: str = "model.", hf_config: Option
     must hold the reference GPT (``GPTModule``), exported as GPT-2."""
     import transformers
 
-    checkpoint = ShardedCheckpoint(latest_complete(Path(path)))
+    checkpoint = ShardedCheckpoint(latest_complete(Path(path), fallback=False))
     state = _strip(dense_state_dict(checkpoint), prefix)
     if hf_config is not None:
         config = transformers.AutoConfig.from_pretrained(hf_config)

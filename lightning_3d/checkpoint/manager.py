@@ -9,6 +9,7 @@ checkpoint at or beside the path, read lazily, so each rank assembles only the t
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_3d.checkpoint.compatibility import model_record
 from lightning_3d.checkpoint.collect import collect_model, collect_optimizer, merge_param_groups, named_param_groups, rng_tensors
 from lightning_3d.checkpoint.sharded import (
     LazyDense,
@@ -42,6 +44,7 @@ class ShardedCheckpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if async_save else None
         self._pending: Optional[tuple[Future, tuple]] = None
         self.last_stats: dict[str, float] = {}
+        self.run_id: Optional[str] = None  # a resumed run keeps its checkpoint's id (see latest_complete)
 
     # -- save -----------------------------------------------------------------------------------------
     def save(
@@ -57,9 +60,14 @@ class ShardedCheckpointer:
         self.finalize()
         start = time.perf_counter()
         final = Path(filepath)
-        token = [f"{time.time_ns()}" if dist.get_rank() == 0 else None]
+        if dist.get_rank() == 0:
+            self.run_id = self.run_id or uuid.uuid4().hex[:16]
+            token = [(self.run_id, f"{time.time_ns()}")]
+        else:
+            token = [None]
         dist.broadcast_object_list(token, src=0)
-        tmp = temporary_dir(final, token[0])
+        self.run_id, stamp = token[0]
+        tmp = temporary_dir(final, stamp, self.run_id)
         tmp.mkdir(parents=True, exist_ok=True)
         shard = RankShard(dist.get_rank())
         collect_model(shard, module, optimizers, self.topology)
@@ -69,7 +77,7 @@ class ShardedCheckpointer:
         groups = [named_param_groups(opt, names) for opt in optimizers]
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         step = int(checkpoint.get("global_step", 0))
-        context = (groups, meta, tmp, final, step, layout, aliases, start)
+        context = (groups, meta, tmp, final, step, layout, aliases, start, model_record(module))
         self.last_stats = {"bytes": float(sum(t.numel() * t.element_size() for t in shard.tensors.values()))}
         if self._executor is not None:
             self._pending = (self._executor.submit(write_rank_shard, tmp, shard), context)
@@ -86,11 +94,23 @@ class ShardedCheckpointer:
         self._pending = None
         self._commit(future.result(), *context)
 
-    def _commit(self, written: dict[str, Any], groups: list, meta: dict, tmp: Path, final: Path, step: int, layout: dict, aliases: list, start: float) -> None:
+    def _commit(
+        self,
+        written: dict[str, Any],
+        groups: list,
+        meta: dict,
+        tmp: Path,
+        final: Path,
+        step: int,
+        layout: dict,
+        aliases: list,
+        start: float,
+        model: dict[str, Any],
+    ) -> None:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (written, groups))
         if dist.get_rank() == 0:
-            manifest = build_manifest(step, layout, [w for w, _ in gathered], aliases)
+            manifest = build_manifest(step, layout, [w for w, _ in gathered], aliases, run_id=self.run_id, model=model)
             meta = dict(meta, optimizer_param_groups=merge_param_groups([g for _, g in gathered]))
             publish(tmp, final, manifest, meta)
             if self.keep_last_k is not None:
@@ -107,6 +127,7 @@ class ShardedCheckpointer:
     def load(self, path: str, weights_only: bool, layout: dict[str, Any]) -> dict[str, Any]:
         self.finalize()
         reader = ShardedCheckpoint(latest_complete(Path(path)), weights_only=weights_only)
+        self.run_id = reader.manifest.get("run_id") or self.run_id  # saves from here on continue its run
         checkpoint = dict(reader.meta())
         checkpoint["state_dict"] = LazyDense(reader, "model")
         groups = checkpoint.pop("optimizer_param_groups", [])

@@ -16,9 +16,13 @@ stage writes the layers it holds). Reading assembles the dense tensor of a name 
 so a checkpoint loads under any layout, or with no strategy at all. (torch.distributed.checkpoint
 needs rectangular chunks; ZeRO's flat slices cut parameters mid-row, hence this format.)
 
-Writes go to ``<name>.tmp-<id>/``; the manifest is written last and the directory renamed into
-place only after every rank has finished, so a crash mid-save never touches the previous
-checkpoint, and a directory without a manifest is ignored.
+Writes go to ``<name>.tmp-<run id>.<token>/``; the manifest is written last and the directory
+renamed into place only after every rank has finished, so a crash mid-save never touches the
+previous checkpoint, and a directory without a manifest is ignored. That temporary directory is
+also the evidence of an interrupted save: only a path whose save really began (its ``.tmp-``
+sibling exists) falls back to the newest complete checkpoint *of the same run* (the run id is in
+the temporary name and in every manifest). Any other missing path is an error: a mistyped
+``ckpt_path`` must never resume from whatever checkpoint happens to sit beside it.
 """
 
 from __future__ import annotations
@@ -117,8 +121,21 @@ def write_rank_shard(tmp_dir: Path, shard: RankShard) -> dict[str, Any]:
     return {"file": name, "info": info, "pieces": [asdict(p) for p in shard.pieces], "scalars": shard.scalars}
 
 
-def temporary_dir(final: Path, token: str) -> Path:
-    return final.with_name(f"{final.name}.tmp-{token}")
+def temporary_dir(final: Path, token: str, run_id: str) -> Path:
+    """Where a save is staged; its name carries the run id, so an interrupted save says whose it was."""
+    return final.with_name(f"{final.name}.tmp-{run_id}.{token}")
+
+
+def _interrupted_runs(final: Path) -> set[Optional[str]]:
+    """Run ids of saves to ``final`` that began and never finished (``None``: a staging directory
+    of an older format, whose run is unknown)."""
+    prefix = f"{final.name}.tmp-"
+    runs: set[Optional[str]] = set()
+    for child in final.parent.iterdir() if final.parent.is_dir() else []:
+        if child.is_dir() and child.name.startswith(prefix):
+            run, dot, _ = child.name[len(prefix) :].rpartition(".")
+            runs.add(run if dot else None)
+    return runs
 
 
 def publish(tmp_dir: Path, final: Path, manifest: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -140,7 +157,14 @@ def publish(tmp_dir: Path, final: Path, manifest: dict[str, Any], meta: dict[str
         shutil.rmtree(replaced, ignore_errors=True) if replaced.is_dir() else replaced.unlink(missing_ok=True)
 
 
-def build_manifest(step: int, layout: dict[str, Any], written: list[dict[str, Any]], ties: list[list[str]]) -> dict[str, Any]:
+def build_manifest(
+    step: int,
+    layout: dict[str, Any],
+    written: list[dict[str, Any]],
+    ties: list[list[str]],
+    run_id: Optional[str] = None,
+    model: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     import lightning
     import lightning_3d
 
@@ -151,7 +175,9 @@ def build_manifest(step: int, layout: dict[str, Any], written: list[dict[str, An
     return {
         "format": FORMAT,
         "step": step,
+        "run_id": run_id,
         "layout": layout,
+        "model": model,
         "versions": {"lightning_3d": lightning_3d.__version__, "torch": torch.__version__, "lightning": lightning.__version__},
         "created": time.time(),
         "files": {w["file"]: w["info"] for w in written},
@@ -179,12 +205,26 @@ def is_sharded(path: Path) -> bool:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist.{_beside(path)}")
     if not manifest_path.is_file():
-        raise CheckpointError(f"{path} is incomplete (no {MANIFEST}): a save was interrupted.")
+        raise CheckpointError(
+            f"{path} is not a complete lightning_3d sharded checkpoint (no {MANIFEST}): give the directory a save "
+            f"wrote (e.g. .../step=100.ckpt), or a consolidated .ckpt file."
+        )
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT}).")
     return manifest
+
+
+def _beside(path: Path, limit: int = 5) -> str:
+    """A hint for a path that does not exist: the checkpoints that do, in its directory."""
+    found = sorted(complete_checkpoints(path.parent), key=lambda c: (c[1], c[0].name))
+    if not found:
+        return ""
+    names = ", ".join(p.name for p, _ in found[-limit:])
+    return f" Complete checkpoints in {path.parent}: {names}{' ...' if len(found) > limit else ''}."
 
 
 def complete_checkpoints(parent: Path) -> list[tuple[Path, int]]:
@@ -199,15 +239,36 @@ def complete_checkpoints(parent: Path) -> list[tuple[Path, int]]:
     return out
 
 
-def latest_complete(path: Path) -> Path:
-    """``path`` itself when complete; otherwise the newest complete checkpoint beside it (with a warning)."""
+def latest_complete(path: Path, fallback: bool = True) -> Path:
+    """``path`` itself when complete. When a save to ``path`` began and was interrupted (its staging
+    directory exists and ``path`` does not), the newest complete checkpoint of the same run beside
+    it, with a warning (``fallback=False``, for offline tools: an error naming it). Anything else
+    is an error that says what is wrong with ``path``."""
     if (path / MANIFEST).is_file():
         return path
-    candidates = complete_checkpoints(path.parent)
+    if path.exists():
+        read_manifest(path)  # raises: a directory (or file) that is not a sharded checkpoint
+    runs = _interrupted_runs(path)
+    if not runs:
+        raise CheckpointError(f"checkpoint {path} does not exist.{_beside(path)}")
+    known = {r for r in runs if r is not None}
+    candidates = [c for c in complete_checkpoints(path.parent) if known and read_manifest(c[0]).get("run_id") in known]
     if not candidates:
-        raise CheckpointError(f"{path} is incomplete (no {MANIFEST}) and no complete checkpoint is beside it.")
+        raise CheckpointError(
+            f"checkpoint {path} does not exist: its save was interrupted, and no complete checkpoint of the same run "
+            f"is beside it.{_beside(path)} Pass one of them explicitly as ckpt_path."
+        )
     best = max(candidates, key=lambda c: (c[1], c[0].stat().st_mtime))[0]
-    warnings.warn(f"lightning_3d: {path} is incomplete (an interrupted save); resuming from {best} instead.", stacklevel=2)
+    if not fallback:
+        raise CheckpointError(
+            f"checkpoint {path} does not exist: its save was interrupted. The newest complete checkpoint of the same "
+            f"run is {best}; pass that path instead."
+        )
+    warnings.warn(
+        f"lightning_3d: the save of {path} was interrupted (it is incomplete); resuming from {best}, the newest "
+        f"complete checkpoint of the same run, instead.",
+        stacklevel=2,
+    )
     return best
 
 

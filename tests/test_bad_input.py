@@ -1,0 +1,144 @@
+"""Bad input gets the right answer or a clear refusal (issue 14 items 1, 2 and 9): checkpoint paths
+that do not exist, interrupted saves of another run, a checkpoint of another model, the CLI's
+user errors, and precision values the strategy cannot run."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_3d import ThreeDParallelStrategy
+from lightning_3d import cli
+from lightning_3d.checkpoint.sharded import FORMAT, MANIFEST, CheckpointError, latest_complete
+from lightning_3d.testing import run_on_ranks
+from tests.helpers import quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
+
+
+def _fake_checkpoint(path: Path, step: int, run_id: str) -> Path:
+    path.mkdir(parents=True)
+    (path / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "run_id": run_id, "pieces": [], "files": {}}))
+    return path
+
+
+# -- which checkpoint a path means ------------------------------------------------------------------------
+def test_a_missing_path_is_an_error_even_with_checkpoints_beside_it(tmp_path):
+    _fake_checkpoint(tmp_path / "step=2.ckpt", 2, "run-a")
+    with pytest.raises(CheckpointError, match=r"step=999.ckpt does not exist\. Complete checkpoints in .*: step=2.ckpt"):
+        latest_complete(tmp_path / "step=999.ckpt")
+
+
+def test_an_interrupted_save_falls_back_to_the_newest_checkpoint_of_its_own_run(tmp_path):
+    _fake_checkpoint(tmp_path / "step=2.ckpt", 2, "run-a")
+    _fake_checkpoint(tmp_path / "step=3.ckpt", 3, "run-b")  # newer, but another run's
+    (tmp_path / "step=4.ckpt.tmp-run-a.1234").mkdir()  # the save of step 4 began and never finished
+    with pytest.warns(UserWarning, match="was interrupted"):
+        assert latest_complete(tmp_path / "step=4.ckpt") == tmp_path / "step=2.ckpt"
+    with pytest.raises(CheckpointError, match="its save was interrupted. The newest complete checkpoint of the same run is"):
+        latest_complete(tmp_path / "step=4.ckpt", fallback=False)
+
+
+def test_an_interrupted_save_without_a_checkpoint_of_its_run_is_an_error(tmp_path):
+    _fake_checkpoint(tmp_path / "step=3.ckpt", 3, "run-b")
+    (tmp_path / "step=4.ckpt.tmp-run-a.1234").mkdir()
+    with pytest.raises(CheckpointError, match="no complete checkpoint of the same run is beside it"):
+        latest_complete(tmp_path / "step=4.ckpt")
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_named_as_such(tmp_path):
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(CheckpointError, match="is not a complete lightning_3d sharded checkpoint"):
+        latest_complete(tmp_path / "notes")
+
+
+# -- the same, end to end, plus a checkpoint of another model ---------------------------------------------
+def _fit(model: Any, root: str, steps: int, ckpt_path: Any = None, save: bool = False) -> L.Trainer:
+    L.seed_everything(0)
+    callbacks = [ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if save else []
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=save,
+        strategy=ThreeDParallelStrategy(tensor_parallel=2),
+    )
+    trainer.fit(model, tiny_data(global_batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _resume_world(root: str) -> dict[str, Any]:
+    ckpt = Path(root)
+    return run_checks({
+        "train": lambda: _fit(tiny_gpt(), root, 2, save=True) and sorted(p.name for p in ckpt.iterdir()),
+        "mistyped": lambda: _refusal(lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=999.ckpt"))),
+        "other_model": lambda: _refusal(lambda: _fit(tiny_gpt(n_embd=64), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
+        "resumed": lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"), save=True) and [
+            json.loads((ckpt / name / MANIFEST).read_text())["run_id"] for name in ("step=2.ckpt", "step=4.ckpt")
+        ],
+    })
+
+
+@pytest.fixture(scope="module")
+def resume_world() -> dict[str, Any]:
+    return run_on_ranks(_resume_world, 2, tempfile.mkdtemp(prefix="l3d-bad-input-"), timeout=300)[0]
+
+
+def test_fit_with_a_mistyped_ckpt_path_refuses_instead_of_resuming_a_sibling(resume_world):
+    assert result_of(resume_world, "train") == ["step=2.ckpt"]
+    message = result_of(resume_world, "mistyped")
+    assert message.startswith("CheckpointError: checkpoint ") and "step=999.ckpt does not exist" in message, message
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_configuration(resume_world):
+    message = result_of(resume_world, "other_model")
+    assert message.startswith("ValueError: checkpoint "), message
+    assert "was saved from a different model: its configuration differs: " in message, message
+    assert "n_embd=32 in the checkpoint, 64 here" in message and "differ in shape" in message, message
+    assert len(message) < 1200  # one message, not a list of shard shapes
+
+
+def test_a_resumed_run_keeps_its_run_id_for_later_saves(resume_world):
+    first, later = result_of(resume_world, "resumed")
+    assert first and first == later
+
+
+# -- the command line -------------------------------------------------------------------------------------
+def test_consolidate_of_a_mistyped_path_exits_2_with_one_line(tmp_path, capsys):
+    _fake_checkpoint(tmp_path / "step=2.ckpt", 2, "run-a")
+    code = cli.main(["consolidate", str(tmp_path / "step=9.ckpt"), str(tmp_path / "out.pt")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("lightning-3d consolidate: error: checkpoint ") and "does not exist" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out.pt").exists()
+
+
+def test_a_cli_user_error_is_one_line_but_an_internal_error_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    code = cli.main(["plan", "--layout", "tp=two"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "tp='two'" in err and "Traceback" not in err, err
+
+    import lightning_3d.checkpoint.consolidate as consolidate
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr(consolidate, "consolidate", broken)
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        cli.main(["consolidate", str(tmp_path), str(tmp_path / "out.pt")])
+
+
+# -- precision values the strategy cannot run -------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["transformer-engine", "transformer-engine-float16", "16-true", "64-true"])
+def test_unsupported_precision_is_refused_by_the_strategy_not_by_an_import_error(precision):
+    with pytest.raises(ValueError, match=rf"precision='{precision}' is not supported by ThreeDParallelStrategy; use '32-true'"):
+        L.Trainer(strategy=ThreeDParallelStrategy(), accelerator="cpu", devices=2, precision=precision, logger=False)
