@@ -245,10 +245,14 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     _wait(procs, start + TIMEOUT + 30 + 20)
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "step=2.ckpt" / "manifest.json").is_file()
-    assert not (ckpt / "step=4.ckpt").exists()  # only its temporary directory
-    with pytest.warns(UserWarning, match="is incomplete"):
-        fallback = latest_complete(ckpt / "step=4.ckpt")
-    assert fallback.name in ("step=2.ckpt", "last.ckpt")
+    (staged,) = [p for p in ckpt.iterdir() if ".tmp-" in p.name]  # the save that died (last.ckpt after step 2)
+    interrupted = ckpt / staged.name.split(".tmp-")[0]
+    assert not interrupted.exists()
+    with pytest.warns(UserWarning, match="was interrupted"):
+        fallback = latest_complete(interrupted)
+    assert fallback.name == "step=2.ckpt"
+    with pytest.raises(CheckpointError, match="does not exist"):  # a save that never began: no stand-in
+        latest_complete(ckpt / "step=4.ckpt")
     checkpoint = ShardedCheckpoint(fallback)
     assert all(checkpoint.dense("model", n).isfinite().all() for n in checkpoint.names("model"))
 
