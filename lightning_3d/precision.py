@@ -12,6 +12,13 @@ Modes (``Trainer(precision=...)`` is translated by the strategy, or pass the plu
 Gradient clipping uses the *global* norm: every parameter counted exactly once across ZeRO
 shards, tensor-parallel slices (replicated parameters counted on tp rank 0 only) and replicas.
 With loss scaling, an overflow on any rank makes every rank skip the step together.
+
+Non-finite steps: every optimizer step ends with one flag all-reduced over the world (is any loss or
+gradient inf/NaN?), so all ranks decide alike. A non-finite step is skipped (the weights are left as
+they were), counted in ``skipped_steps`` (logged, on the progress bar), and after
+``max_consecutive_nonfinite`` such steps in a row every rank raises :class:`NonFiniteStepsError`. Under
+``16-mixed`` only overflows with the loss scale already at its floor count towards that limit: the
+steps that back the scale off are the scaler doing its job.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -78,6 +86,24 @@ def global_grad_norm(parameters: Iterable[Tensor], topology: Optional[Topology],
     return total if norm_type == float("inf") else total.sqrt()
 
 
+class NonFiniteStepsError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradients (raised on every rank)."""
+
+
+def _nonfinite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
+    """1.0 if any element of ``tensors`` is inf or NaN, else 0.0: a tensor on ``device``, no host sync.
+    One fused max-abs per (device, dtype) group (inf and NaN survive it; squaring could overflow)."""
+    flag = torch.zeros((), device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    for group in groups.values():
+        worst = torch.stack(torch._foreach_norm(group, float("inf")))
+        flag = torch.maximum(flag, (~torch.isfinite(worst)).any().float().to(device))
+    return flag
+
+
 class DynamicLossScaler:
     """fp16 loss scaling: shrink on overflow (after ``hysteresis`` overflows), grow after
     ``growth_interval`` clean steps. Its state is saved in checkpoints."""
@@ -101,6 +127,11 @@ class DynamicLossScaler:
         self._growth_tracker = 0
         self._hysteresis_left = hysteresis
         self.skipped_steps = 0
+        self._warned_floor = False
+
+    @property
+    def at_floor(self) -> bool:
+        return self.scale <= self.min_scale
 
     def update(self, overflow: bool) -> None:
         if overflow:
@@ -109,6 +140,13 @@ class DynamicLossScaler:
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            if self.at_floor and not self._warned_floor:
+                self._warned_floor = True
+                rank_zero_warn(
+                    f"lightning_3d: the fp16 loss scale reached its floor min_scale={self.min_scale:g} after "
+                    f"{self.skipped_steps} skipped step(s); gradients still overflow, so steps keep being skipped. "
+                    f"Look for NaN/inf in the loss or data, lower the learning rate, or train in bf16-mixed."
+                )
         else:
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
@@ -138,6 +176,10 @@ class ThreeDPrecision(Precision):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
         initial_scale, growth_interval, hysteresis, min_scale, backoff_factor, growth_factor:
             dynamic loss scaling for ``"16-mixed"``.
+        max_consecutive_nonfinite: stop (:class:`NonFiniteStepsError` on every rank) after this many
+            consecutive skipped steps with a non-finite loss or gradients -- under ``"16-mixed"``,
+            overflows with the loss scale at ``min_scale``. ``None``: never stop (steps are still
+            skipped and counted).
     """
 
     def __init__(
@@ -149,9 +191,20 @@ class ThreeDPrecision(Precision):
         min_scale: float = 1.0,
         backoff_factor: float = 0.5,
         growth_factor: float = 2.0,
+        max_consecutive_nonfinite: Optional[int] = 10,
     ) -> None:
         if precision not in MODES:
             raise ValueError(f"precision={precision!r} is not supported by ThreeDPrecision; choose one of {list(MODES)}.")
+        limit = max_consecutive_nonfinite
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(
+                f"max_consecutive_nonfinite={limit!r} must be a positive integer (steps), or None to never stop "
+                f"on non-finite losses."
+            )
+        self.max_consecutive_nonfinite = limit
+        self._consecutive: dict[int, int] = {}  # per optimizer: non-finite steps in a row (that count)
+        self._skipped = 0  # skipped steps without a loss scaler (the scaler counts its own)
+        self._clip_norm: dict[int, Tensor] = {}  # per optimizer: this step's global gradient norm, if clipped
         self.precision = precision
         self.compute_dtype, self.master_dtype = MODES[precision]
         self.scaler: Optional[DynamicLossScaler] = None
@@ -188,19 +241,105 @@ class ThreeDPrecision(Precision):
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        """Run the closure, agree over the world whether the step is finite, then step or skip it."""
+        if self.scaler is None and isinstance(_raw(optimizer), torch.optim.LBFGS):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # re-runs its closure
         closure_result = closure()
-        overflow = self.found_overflow(optimizer)
-        if overflow:
+        if self.scaler is not None:
+            at_floor = self.scaler.at_floor  # the scale this step used
+            skip = self.found_overflow(optimizer)
+            counts = skip and at_floor
+            if not skip:
+                self._unscale_once(optimizer)
+                self._after_closure(model, optimizer)
+        else:
+            self._after_closure(model, optimizer)  # clipping may compute the global norm we check below
+            skip = self._found_nonfinite(optimizer, closure_result)
+            counts = skip
+        if skip:
             optimizer.zero_grad()  # every rank skips this step together
         else:
-            self._unscale_once(optimizer)
-            self._after_closure(model, optimizer)
             optimizer.step(**kwargs)
         self._unscaled.discard(id(_raw(optimizer)))
-        self.scaler.update(overflow)
+        self._clip_norm.pop(id(_raw(optimizer)), None)
+        if self.scaler is not None:
+            self.scaler.update(skip)
+        else:
+            self._skipped += int(skip)
+        self._after_step(optimizer, model, counts)
         return closure_result
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because of a non-finite loss or gradients (all optimizers)."""
+        return self.scaler.skipped_steps if self.scaler is not None else self._skipped
+
+    def _after_step(self, optimizer: Any, model: Any, counts: bool) -> None:
+        """Log the counters; stop after too many counted non-finite steps in a row (every rank alike:
+        the decision came from an all-reduced flag)."""
+        key = id(_raw(optimizer))
+        self._consecutive[key] = self._consecutive.get(key, 0) + 1 if counts else 0
+        self._log(model)
+        limit, run = self.max_consecutive_nonfinite, self._consecutive[key]
+        if limit is None or run < limit:
+            return
+        trainer = getattr(model, "_trainer", None)
+        where = f" (global step {trainer.global_step})" if trainer is not None else ""
+        if self.scaler is not None:
+            what = (
+                f"{run} consecutive optimizer steps overflowed (inf/NaN gradients) with the fp16 loss scale at its "
+                f"floor min_scale={self.scaler.min_scale:g}{where}; {self.skipped_steps} step(s) skipped in all. "
+                f"Backing the scale off further cannot help."
+            )
+        else:
+            what = (
+                f"{run} consecutive optimizer steps had a non-finite loss or gradients (inf/NaN) under "
+                f"precision={self.precision!r}{where}; they were skipped ({self.skipped_steps} in all), the weights "
+                f"are those before the first of them."
+            )
+        raise NonFiniteStepsError(
+            f"lightning_3d: {what} Usual causes: a learning rate that is too high, bad data (token ids outside "
+            f"the vocabulary, NaN inputs), or a numerically unstable layer; lower the learning rate, clip gradients "
+            f"(gradient_clip_val), check the data, or resume from an earlier checkpoint. "
+            f"ThreeDPrecision(max_consecutive_nonfinite=...) sets this limit (None: never stop)."
+        )
+
+    def _log(self, model: Any) -> None:
+        """``skipped_steps`` on the progress bar and in the logger (and the loss scale under fp16)."""
+        if getattr(model, "_trainer", None) is None or getattr(model, "_current_fx_name", None) is None:
+            return  # not inside a Trainer's hook: nowhere to log
+        model.log("skipped_steps", float(self.skipped_steps), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        if self.scaler is not None:
+            model.log("loss_scale", float(self.scaler.scale), on_step=True, on_epoch=False, batch_size=1)
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
+
+    def _local_grads(self, optimizer: Any) -> list[Tensor]:
+        """This rank's gradients: a ZeRO optimizer's reduced slices, or the parameters' (local shards')."""
+        raw = _raw(optimizer)
+        if hasattr(raw, "_grad_slices"):
+            return [grad for _, grad in raw._grad_slices()]
+        return [_local(p.grad) for p in {id(p): p for p in _params(raw) if p.grad is not None}.values()]
+
+    def _agree(self, local: Tensor) -> bool:
+        """MAX all-reduce of a 0/1 flag over the whole world: one small collective and one host sync."""
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return bool(local.item())
+
+    def _found_nonfinite(self, optimizer: Any, loss: Any) -> bool:
+        """A non-finite loss or gradient on any rank. Reuses the global norm if clipping computed one
+        this step; otherwise one fused max-abs over the local gradients."""
+        device = self._device()
+        norm = self._clip_norm.get(id(_raw(optimizer)))
+        if norm is not None:
+            flag = (~torch.isfinite(norm.detach())).float().to(device)
+        else:
+            flag = _nonfinite(self._local_grads(optimizer), device)
+        if isinstance(loss, Tensor):
+            flag = torch.maximum(flag, (~torch.isfinite(loss.detach())).any().float().to(device))
+        return self._agree(flag)
 
     def _unscale_once(self, optimizer: Any) -> None:
         """Unscale an optimizer's gradients once per step, whoever asks first: the step, or clipping
@@ -217,15 +356,7 @@ class ThreeDPrecision(Precision):
 
     def found_overflow(self, optimizer: Any) -> bool:
         """A non-finite gradient on any rank (a MAX all-reduce over the world, so all agree)."""
-        if hasattr(optimizer, "local_overflow"):
-            local = optimizer.local_overflow()
-        else:
-            local = any(not torch.isfinite(_local(p.grad)).all() for p in _params(optimizer) if p.grad is not None)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
-        flag = torch.tensor(float(local), device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self._agree(_nonfinite(self._local_grads(optimizer), self._device()))
 
     def unscale_(self, optimizer: Any, inv_scale: float) -> None:
         if hasattr(optimizer, "unscale_"):
@@ -239,10 +370,12 @@ class ThreeDPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         if hasattr(optimizer, "grad_norm_squared"):  # a ZeroOptimizer: its gradients live in shards
             norm = optimizer.grad_norm_squared().sqrt()
+            self._clip_norm[id(_raw(optimizer))] = norm
             optimizer.scale_grads_((clip_val / (norm + 1e-6)).clamp(max=1.0))
             return
         params = _params(optimizer)
         norm = global_grad_norm(params, self.topology)
+        self._clip_norm[id(_raw(optimizer))] = norm
         scale = (clip_val / (norm + 1e-6)).clamp(max=1.0)
         for p in {id(p): p for p in params if p.grad is not None}.values():
             _local(p.grad).detach().mul_(scale.to(_local(p.grad).device))
@@ -260,11 +393,15 @@ class ThreeDPrecision(Precision):
         state: dict[str, Any] = {"precision": self.precision}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
+        else:
+            state["skipped_steps"] = self._skipped
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+        if self.scaler is None:
+            self._skipped = int(state_dict.get("skipped_steps", 0))
 
 
 def _raw(optimizer: Any) -> Any:

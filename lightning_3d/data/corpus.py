@@ -15,7 +15,7 @@ import json
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -48,23 +48,47 @@ def stdlib_bytes(max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of ``block_size + 1`` tokens as ``(input_ids, targets)`` pairs."""
+    """Non-overlapping windows of ``block_size + 1`` tokens as ``(input_ids, targets)`` pairs.
 
-    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+    With ``vocab_size`` set (the data module sets the model's), every window is checked as it is
+    read: an id ``>= vocab_size`` or ``< 0`` raises, naming the id, its position and both sizes. The
+    check is a max (and, for signed dtypes, a min) over the window on the host, in the loader's
+    workers: nothing on the device, no sync.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, vocab_size: Optional[int] = None, name: str = "the token stream") -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be positive.")
         if len(tokens) < block_size + 1:
             raise ValueError(f"{len(tokens)} tokens are too few for one window of block_size={block_size} + 1.")
         self.tokens = tokens
         self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.name = name
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.block_size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.block_size
-        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
+        raw = np.asarray(self.tokens[start : start + self.block_size + 1])
+        if self.vocab_size is not None:
+            self._check_ids(raw, start)
+        window = torch.from_numpy(raw.astype(np.int64))
         return window[:-1], window[1:]
+
+    def _check_ids(self, raw: np.ndarray, start: int) -> None:
+        high = int(raw.max())
+        low = int(raw.min()) if np.issubdtype(raw.dtype, np.signedinteger) else 0
+        if high < self.vocab_size and low >= 0:  # type: ignore[operator]
+            return
+        bad = high if high >= self.vocab_size else low  # type: ignore[operator]
+        at = start + int(np.argmax(raw == bad))
+        raise ValueError(
+            f"token id {bad} at position {at} of {self.name} is outside the model's vocabulary [0, {self.vocab_size}). "
+            f"The data was tokenized for a different (larger) vocabulary, or the file is corrupt or its .bin.json "
+            f"is wrong: re-tokenize it with the model's tokenizer, or use a model with a large enough vocab_size."
+        )
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -99,6 +123,12 @@ def read_token_file(path: Union[str, Path]) -> tuple[np.ndarray, dict]:
 def write_token_file(tokens: np.ndarray, path: Union[str, Path], vocab_size: int, tokenizer: str) -> dict:
     """Write ``tokens`` with the smallest of uint16/uint32 that holds ``vocab_size``."""
     path = Path(path)
+    tokens = np.asarray(tokens)
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ValueError(
+            f"token ids range over [{int(tokens.min())}, {int(tokens.max())}], outside vocab_size={vocab_size}: "
+            f"pass the tokenizer's vocabulary size (larger than every id)."
+        )
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     path.parent.mkdir(parents=True, exist_ok=True)
     np.asarray(tokens, dtype=dtype).tofile(path)

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_3d.callbacks import data_parallel_size
 from lightning_3d.data.corpus import DEFAULT_MAX_BYTES, TokenWindows, read_token_file, split_tokens, stdlib_bytes
+from lightning_3d.data.vocab import check_data_vocab, model_vocab_size
 
 
 class ResumableDataLoader(DataLoader):
@@ -63,6 +64,11 @@ class TextDataModule(L.LightningDataModule):
         val_fraction: tail of the stream held out for validation.
         max_bytes: how much of the standard library to read (``source="stdlib"`` only).
         num_workers: DataLoader workers.
+
+    The data must fit the model's vocabulary: the file's ``vocab_size`` (256 for the byte corpus) is
+    compared with the model's at set-up (found duck-typed: ``get_input_embeddings()``,
+    ``config.vocab_size`` or ``vocab_size``), and every window's ids are checked on the host as they
+    are read. Both raise ``ValueError`` naming the numbers.
     """
 
     def __init__(
@@ -106,8 +112,24 @@ class TextDataModule(L.LightningDataModule):
         if self._train is None:
             train, val = split_tokens(self._load(), self.val_fraction)
             block_size = self._context_length()
-            self._train = TokenWindows(train, block_size)
-            self._val = TokenWindows(val, block_size)
+            self._train = TokenWindows(train, block_size, name=f"{self._source_name()} (training split)")
+            self._val = TokenWindows(val, block_size, name=f"{self._source_name()} (validation split)")
+        self._check_vocab()  # the model may not be built yet: checked again when the loaders are made
+
+    def _source_name(self) -> str:
+        return "the standard-library byte corpus" if self.source == "stdlib" else f"token file {self.source}"
+
+    def _check_vocab(self) -> None:
+        """The data's vocabulary must fit the model's; windows then check their ids against the model's."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        found = model_vocab_size(module) if module is not None else None
+        if found is None:
+            return  # a model without a discoverable vocabulary: nothing to compare
+        model_vocab, where = found
+        check_data_vocab(self.vocab_size, self._source_name(), model_vocab, where)
+        for dataset in (self._train, self._val):
+            if dataset is not None:
+                dataset.vocab_size = model_vocab
 
     def per_replica_batch_size(self) -> int:
         if self.global_batch_size is None:
@@ -126,6 +148,7 @@ class TextDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Optional[TokenWindows], train: bool) -> DataLoader:
         assert dataset is not None, "setup() has not run"
+        self._check_vocab()  # after configure_model(): the model's embedding now exists
         kwargs: dict[str, Any] = dict(
             batch_size=self.per_replica_batch_size(), shuffle=train, drop_last=train, num_workers=self.num_workers
         )

@@ -292,7 +292,28 @@ class VocabParallelEmbedding(nn.Module):
     def from_dense(cls, module: nn.Embedding, tp_group: Optional[dist.ProcessGroup] = None, **kwargs) -> "VocabParallelEmbedding":
         return cls(module.num_embeddings, module.embedding_dim, tp_group=tp_group, _dense=module, **kwargs)
 
+    def _check_ids(self, ids: Tensor) -> None:
+        """Ids outside ``[0, num_embeddings)`` -- padding rows included -- are an error, not zeros. On
+        the host an exact check; on an accelerator an asynchronous device assert (no host sync)."""
+        if ids.numel() == 0 or ids.device.type == "meta":
+            return
+        world = dist.get_world_size(self.tp_group)
+        fix = (
+            f"(the table is padded to {self.rows_per_rank * world} rows for tensor_parallel={world}; padding rows are "
+            f"not tokens). The data was tokenized for a larger vocabulary: re-tokenize it with the model's tokenizer, "
+            f"or give the model a vocab_size above every id."
+        )
+        if ids.device.type != "cpu":
+            ok = ((ids >= 0) & (ids < self.num_embeddings)).all()
+            torch._assert_async(ok, f"VocabParallelEmbedding: a token id is outside the vocabulary [0, {self.num_embeddings}) {fix}")
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.num_embeddings:
+            bad = low if low < 0 else high
+            raise ValueError(f"VocabParallelEmbedding: token id {bad} is outside the vocabulary [0, {self.num_embeddings}) {fix}")
+
     def forward(self, ids: Tensor) -> Tensor:
+        self._check_ids(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
         local_padding = None
