@@ -193,6 +193,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         if checkpoint_format not in ("sharded", "consolidated"):
             raise ValueError(f"checkpoint_format={checkpoint_format!r}: use 'sharded' or 'consolidated'.")
         self._checkpoint_format = checkpoint_format
+        if keep_last_k is not None and (isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1):
+            raise ValueError(f"keep_last_k={keep_last_k!r} must be at least 1 (or None to keep every checkpoint).")
         self._async_checkpoint, self._keep_last_k = async_checkpoint, keep_last_k
         self._checkpointer: Optional[ShardedCheckpointer] = None
         self._health_check = health_check

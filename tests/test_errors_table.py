@@ -34,8 +34,7 @@ from torch import nn
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
 from lightning_3d.activation_checkpointing import _selective_target, apply_activation_checkpointing
 from lightning_3d.checkpoint import AtomicCheckpointIO
-from lightning_3d.checkpoint.manager import ShardedCheckpointer
-from lightning_3d.checkpoint.sharded import FORMAT, ShardedCheckpoint, _crc32, read_manifest
+from lightning_3d.checkpoint.sharded import FORMAT, ShardedCheckpoint, _crc32, latest_complete, read_manifest
 from lightning_3d.data import TextDataModule, TokenWindows
 from lightning_3d.data.corpus import prepare_byte_tokens, read_token_file, split_tokens
 from lightning_3d.models import GPT, GPTConfig
@@ -187,6 +186,15 @@ def checkpoint_dir(files: Optional[dict[str, bytes]] = None, manifest_files: Opt
     return path
 
 
+def interrupted_save(run: str) -> Path:
+    """A complete checkpoint of run "run-a" and a save of ``step=2.ckpt`` by ``run`` that never finished."""
+    done = Path("step=1.ckpt")
+    done.mkdir()
+    (done / "manifest.json").write_text(json.dumps({"format": FORMAT, "step": 1, "run_id": "run-a", "pieces": [], "files": {}}))
+    Path(f"step=2.ckpt.tmp-{run}.123").mkdir()
+    return Path("step=2.ckpt")
+
+
 def checkpoint_with_code_in_meta() -> ShardedCheckpoint:
     buffer = io.BytesIO()
     torch.save({"hyper_parameters": {"where": Path("/etc")}}, buffer)
@@ -281,15 +289,20 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "precision-scaler-factors": raises(ValueError, lambda: ThreeDPrecision("16-mixed", backoff_factor=2.0)),
     "precision-scaler-interval": raises(ValueError, lambda: ThreeDPrecision("16-mixed", growth_interval=0)),
     "precision-clip-norm": raises(ValueError, lambda: global_grad_norm([], None, norm_type=1.0)),
+    "precision-transformer-engine": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(), precision="transformer-engine")),
     # checkpoints
     "ckpt-format-option": raises(ValueError, lambda: ThreeDParallelStrategy(checkpoint_format="zip")),
-    "ckpt-keep-last-k": raises(ValueError, lambda: ShardedCheckpointer(None, keep_last_k=0)),  # type: ignore[arg-type]
+    "ckpt-keep-last-k": raises(ValueError, lambda: ThreeDParallelStrategy(keep_last_k=0)),
     "ckpt-sharded-storage-options": raises(TypeError, lambda: ThreeDParallelStrategy().save_checkpoint({}, "x.ckpt", storage_options={})),
     "ckpt-atomic-storage-options": raises(TypeError, lambda: AtomicCheckpointIO().save_checkpoint({}, "x.ckpt", storage_options={})),
     "ckpt-unknown-format": raises(RuntimeError, lambda: read_manifest(checkpoint_dir(fmt="other/9"))),
     "ckpt-file-missing": raises(RuntimeError, lambda: ShardedCheckpoint(checkpoint_dir()).verify("rank0.pt")),
     "ckpt-file-corrupt": raises(RuntimeError, lambda: ShardedCheckpoint(checkpoint_dir({"rank0.pt": b"abc"}, {"rank0.pt": {"bytes": 4, "crc32": 0}})).verify("rank0.pt")),
     "ckpt-code-in-meta": raises(RuntimeError, lambda: checkpoint_with_code_in_meta().meta()),
+    "ckpt-path-missing": raises(RuntimeError, lambda: latest_complete(checkpoint_dir().with_name("step=999.ckpt"))),
+    "ckpt-not-a-checkpoint": raises(RuntimeError, lambda: latest_complete(Path(".").resolve())),
+    "ckpt-interrupted-other-run": raises(RuntimeError, lambda: latest_complete(interrupted_save("other-run"))),
+    "ckpt-interrupted-fallback": warns(lambda: latest_complete(interrupted_save("run-a"))),
     # data
     "data-token-file-missing": raises(FileNotFoundError, lambda: read_token_file("nope.bin")),
     "data-token-count": raises(ValueError, token_file_with_wrong_count),
@@ -322,6 +335,9 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "cli-unknown-command": exits(["frobnicate"]),
     "cli-plan-positional": exits(["plan", "bloom_176b"]),
     "cli-consolidate-dtype": exits(["consolidate", "a.ckpt", "out.pt", "--dtype", "fp8"]),
+    "cli-consolidate-missing": exits(["consolidate", "missing.ckpt", "out.pt"]),
+    "cli-consolidate-interrupted": lambda: exits(["consolidate", str(interrupted_save("run-a")), "out.pt"])(),
+    "cli-fit-user-error": exits(["fit", "--trainer.accelerator=cpu", "--trainer.strategy=lightning_3d.ThreeDParallelStrategy", "--trainer.strategy.zero_stage=7"]),
 }
 
 

@@ -214,7 +214,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT}).")
+        raise CheckpointError(
+            f"{path}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT}); it was written by another "
+            f"tool or version: load it with the version that wrote it, or pass a lightning_3d checkpoint."
+        )
     return manifest
 
 
@@ -290,7 +293,10 @@ class ShardedCheckpoint:
         expected = self.manifest["files"].get(name)
         path = self.path / name
         if expected is None or not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing.")
+            raise CheckpointError(
+                f"checkpoint file {path} is missing (listed in {MANIFEST}): the checkpoint was copied incompletely; copy "
+                f"the whole directory again, or resume from another checkpoint."
+            )
         if path.stat().st_size != expected["bytes"] or _crc32(path) != expected["crc32"]:
             raise CheckpointError(
                 f"checkpoint file {path} is corrupt or truncated (size/CRC32 differ from {MANIFEST}); restore it or "
