@@ -217,7 +217,7 @@ def test_transient_nan_steps_are_skipped_counted_and_training_continues(ranks):
 def test_token_file_with_a_larger_vocabulary_is_refused_at_setup(ranks):
     for r in _errors(ranks, "file_vocab_larger_than_model"):
         assert r["raised"] is not None and r["global_step"] == 0
-        assert "vocab_size=512" in r["raised"] and "256 entries" in r["raised"]
+        assert "wide.bin has vocab_size=512 (from its .bin.json), but the model's vocabulary has 256 entries" in r["raised"]
         assert "GPTModule.config.vocab_size" in r["raised"] and "vocab_size >= 512" in r["raised"]
 
 
@@ -226,7 +226,7 @@ def test_token_ids_past_the_vocabulary_are_refused_per_window(ranks, tp):
     for rank, r in enumerate(_errors(ranks, f"ids_past_vocab_tp{tp}")):
         assert r["raised"] is not None, f"rank {rank} trained {r['global_step']} steps on ids >= the vocabulary"
         assert r["raised"].startswith("ValueError") and r["global_step"] == 0
-        assert "token id 300 at position" in r["raised"] and "vocabulary [0, 256)" in r["raised"]
+        assert "token id 300 at position" in r["raised"] and "is outside the model's vocabulary [0, 256)" in r["raised"]
 
 
 def test_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary(ranks):
@@ -306,3 +306,18 @@ def test_token_windows_refuse_negative_and_too_large_ids():
 def test_write_token_file_refuses_ids_outside_its_vocab_size(tmp_path):
     with pytest.raises(ValueError, match=r"token ids range over \[0, 300\], outside vocab_size=256"):
         write_token_file(np.array([0, 5, 300]), tmp_path / "t.bin", vocab_size=256, tokenizer="bytes")
+
+
+def test_byte_corpus_is_checked_exactly_against_the_model_vocabulary():
+    """The in-memory byte corpus needs only the bytes it holds (valid UTF-8 never has 0xFF): a
+    255-token model is fine, a 100-token one is refused at set-up."""
+
+    def setup_with(vocab_size: int) -> TextDataModule:
+        data = TextDataModule(block_size=8, max_bytes=20_000)
+        data.trainer = SimpleNamespace(lightning_module=GPTModule(GPTConfig(**{**TINY_GPT, "vocab_size": vocab_size})))
+        data.setup("fit")
+        return data
+
+    assert setup_with(255)._train.vocab_size == 255  # windows now check against the model's vocabulary
+    with pytest.raises(ValueError, match=r"standard-library byte corpus holds bytes up to \d+ \(needs vocab_size >= \d+\), but the model's vocabulary has 100 entries"):
+        setup_with(100)

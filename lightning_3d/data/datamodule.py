@@ -90,14 +90,19 @@ class TextDataModule(L.LightningDataModule):
         self.max_bytes = max_bytes
         self.num_workers = num_workers
         self.vocab_size = 256
+        self._data_vocab: Optional[tuple[int, str]] = None  # (ids the data needs, where that comes from)
         self._train: Optional[TokenWindows] = None
         self._val: Optional[TokenWindows] = None
 
     def _load(self) -> np.ndarray:
         if self.source == "stdlib":
-            return stdlib_bytes(self.max_bytes)
+            tokens = stdlib_bytes(self.max_bytes)
+            largest = int(tokens.max())  # in memory, a few MB: exact (valid UTF-8 has no byte 0xF5..0xFF)
+            self._data_vocab = (largest + 1, f"holds bytes up to {largest} (needs vocab_size >= {largest + 1})")
+            return tokens
         tokens, meta = read_token_file(self.source)
         self.vocab_size = int(meta["vocab_size"])
+        self._data_vocab = (self.vocab_size, f"has vocab_size={self.vocab_size} (from its .bin.json)")
         return tokens
 
     def _context_length(self) -> int:
@@ -126,7 +131,9 @@ class TextDataModule(L.LightningDataModule):
         if found is None:
             return  # a model without a discoverable vocabulary: nothing to compare
         model_vocab, where = found
-        check_data_vocab(self.vocab_size, self._source_name(), model_vocab, where)
+        if self._data_vocab is not None:
+            needed, why = self._data_vocab
+            check_data_vocab(needed, f"{self._source_name()} {why}", model_vocab, where)
         for dataset in (self._train, self._val):
             if dataset is not None:
                 dataset.vocab_size = model_vocab

@@ -51,11 +51,12 @@ def model_vocab_size(module: Any) -> Optional[tuple[int, str]]:
     return None
 
 
-def check_data_vocab(data_vocab: int, data_name: str, model_vocab: int, model_where: str) -> None:
-    """Refuse data whose vocabulary is larger than the model's (ids past the model's would be wrong)."""
+def check_data_vocab(data_vocab: int, data_says: str, model_vocab: int, model_where: str) -> None:
+    """Refuse data whose vocabulary is larger than the model's (ids past the model's would be wrong).
+    ``data_says``: e.g. "token file x.bin has vocab_size=512 (from its .bin.json)"."""
     if data_vocab > model_vocab:
         raise ValueError(
-            f"{data_name} has vocab_size={data_vocab}, but the model's vocabulary has {model_vocab} entries "
+            f"{data_says}, but the model's vocabulary has {model_vocab} entries "
             f"({model_where}): token ids {model_vocab}..{data_vocab - 1} cannot be embedded. Use a model with "
             f"vocab_size >= {data_vocab}, or tokenize the data with the model's tokenizer."
         )

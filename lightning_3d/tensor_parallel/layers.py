@@ -242,7 +242,8 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding table split by vocabulary rows; ids outside this rank's range contribute zeros.
 
     The vocabulary is padded to a multiple of tp (padded rows are zero and never looked up), so
-    any vocabulary size works. With ``sequence_parallel`` the output is reduce-scattered along
+    any vocabulary size works. Ids outside ``[0, num_embeddings)`` -- padding rows included -- raise
+    instead of silently embedding as zeros. With ``sequence_parallel`` the output is reduce-scattered along
     the sequence instead of all-reduced.
     """
 
