@@ -29,7 +29,7 @@ from lightning_3d.data import TextDataModule, TokenWindows, stdlib_bytes, write_
 from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.precision import DynamicLossScaler, ThreeDPrecision
 from lightning_3d.testing import run_on_ranks
-from tests.helpers import TINY_GPT, param_checksum, quiet_trainer, result_of, run_checks, tiny_data
+from tests.helpers import TINY_GPT, quiet_trainer, result_of, run_checks, tiny_data
 
 
 # -- item 4: non-finite losses ---------------------------------------------------------------------------
