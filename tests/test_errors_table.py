@@ -46,7 +46,7 @@ from lightning_3d.planner.hardware import ClusterSpec, DeviceSpec, load_cluster
 from lightning_3d.planner.memory import zero_model_state_bytes
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.planner.search import Planner, Problem, best_completion
-from lightning_3d.precision import ThreeDPrecision, global_grad_norm
+from lightning_3d.precision import DynamicLossScaler, ThreeDPrecision, global_grad_norm
 from lightning_3d.recipe import compose_config
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_3d.tensor_parallel.plans import PlanContext, TensorParallelPlan, apply_plan, gpt_plan
@@ -290,6 +290,8 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "precision-scaler-interval": raises(ValueError, lambda: ThreeDPrecision("16-mixed", growth_interval=0)),
     "precision-clip-norm": raises(ValueError, lambda: global_grad_norm([], None, norm_type=1.0)),
     "precision-transformer-engine": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(), precision="transformer-engine")),
+    "precision-nonfinite-limit": raises(ValueError, lambda: ThreeDPrecision("bf16-mixed", max_consecutive_nonfinite=0)),
+    "precision-fp16-floor": warns(lambda: DynamicLossScaler(initial_scale=2.0, hysteresis=1).update(True)),
     # checkpoints
     "ckpt-format-option": raises(ValueError, lambda: ThreeDParallelStrategy(checkpoint_format="zip")),
     "ckpt-keep-last-k": raises(ValueError, lambda: ThreeDParallelStrategy(keep_last_k=0)),
