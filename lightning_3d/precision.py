@@ -237,12 +237,13 @@ class ThreeDPrecision(Precision):
 
     # -- loss scaling ----------------------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        self._clip_norm.clear()  # a norm from before this backward no longer describes the gradients
         tensor = super().pre_backward(tensor, module)
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run the closure, agree over the world whether the step is finite, then step or skip it."""
-        if self.scaler is None and isinstance(_raw(optimizer), torch.optim.LBFGS):
+        if self.scaler is None and _drives_its_closure(_raw(optimizer)):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # re-runs its closure
         closure_result = closure()
         if self.scaler is not None:
@@ -306,11 +307,19 @@ class ThreeDPrecision(Precision):
 
     def _log(self, model: Any) -> None:
         """``skipped_steps`` on the progress bar and in the logger (and the loss scale under fp16)."""
-        if getattr(model, "_trainer", None) is None or getattr(model, "_current_fx_name", None) is None:
+        from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+
+        fx = getattr(model, "_current_fx_name", None)
+        if getattr(model, "_trainer", None) is None or fx is None:
             return  # not inside a Trainer's hook: nowhere to log
-        model.log("skipped_steps", float(self.skipped_steps), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        try:
+            _FxValidator.check_logging_levels(fx, on_step=True, on_epoch=False)
+        except Exception:  # noqa: BLE001 - a hook (e.g. on_train_epoch_end) where per-step logging is not allowed
+            return
+        # CPU tensors: logging them (and the progress bar reading them) never waits for the device
+        model.log("skipped_steps", torch.tensor(float(self.skipped_steps)), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         if self.scaler is not None:
-            model.log("loss_scale", float(self.scaler.scale), on_step=True, on_epoch=False, batch_size=1)
+            model.log("loss_scale", torch.tensor(float(self.scaler.scale)), on_step=True, on_epoch=False, batch_size=1)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
@@ -330,16 +339,18 @@ class ThreeDPrecision(Precision):
 
     def _found_nonfinite(self, optimizer: Any, loss: Any) -> bool:
         """A non-finite loss or gradient on any rank. Reuses the global norm if clipping computed one
-        this step; otherwise one fused max-abs over the local gradients."""
+        this step (one all-reduce); only when that says "non-finite" -- which a finite gradient above
+        ~1e19 can make the sum of squares say -- are the gradients themselves looked at. Otherwise one
+        fused max-abs over the local gradients."""
         device = self._device()
+        lost = (~torch.isfinite(loss.detach())).any().float().to(device) if isinstance(loss, Tensor) else None
         norm = self._clip_norm.get(id(_raw(optimizer)))
         if norm is not None:
             flag = (~torch.isfinite(norm.detach())).float().to(device)
-        else:
-            flag = _nonfinite(self._local_grads(optimizer), device)
-        if isinstance(loss, Tensor):
-            flag = torch.maximum(flag, (~torch.isfinite(loss.detach())).any().float().to(device))
-        return self._agree(flag)
+            if not self._agree(flag if lost is None else torch.maximum(flag, lost)):
+                return False  # the common case: finite, decided by the norm every rank already shares
+        flag = _nonfinite(self._local_grads(optimizer), device)
+        return self._agree(flag if lost is None else torch.maximum(flag, lost))
 
     def _unscale_once(self, optimizer: Any) -> None:
         """Unscale an optimizer's gradients once per step, whoever asks first: the step, or clipping
@@ -402,6 +413,17 @@ class ThreeDPrecision(Precision):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
         if self.scaler is None:
             self._skipped = int(state_dict.get("skipped_steps", 0))
+
+
+def _drives_its_closure(optimizer: Any) -> bool:
+    """Optimizers that may call their closure themselves (LBFGS, line searches, SAM-style two-pass
+    steps) keep Lightning's ``optimizer.step(closure)``: the plugin cannot run the closure for them.
+    Known closure-free ones (torch.optim, ZeRO) get the non-finite check before their step."""
+    from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
+
+    if isinstance(optimizer, ZeroOptimizer):
+        return False
+    return isinstance(optimizer, torch.optim.LBFGS) or not type(optimizer).__module__.startswith("torch.optim")
 
 
 def _raw(optimizer: Any) -> Any:

@@ -43,6 +43,26 @@ def test_an_interrupted_save_falls_back_to_the_newest_checkpoint_of_its_own_run(
         latest_complete(tmp_path / "step=4.ckpt", fallback=False)
 
 
+def test_the_fallback_takes_the_newest_written_not_the_highest_step(tmp_path):
+    """A run rolled back from step 1000 to 500 in the same directory continues from its new timeline."""
+    for step, created in ((1000, 1.0), (550, 2.0)):
+        path = _fake_checkpoint(tmp_path / f"step={step}.ckpt", step, "run-a")
+        manifest = json.loads((path / MANIFEST).read_text())
+        (path / MANIFEST).write_text(json.dumps({**manifest, "created": created}))
+    (tmp_path / "step=650.ckpt.tmp-run-a.99").mkdir()
+    with pytest.warns(UserWarning, match="was interrupted"):
+        assert latest_complete(tmp_path / "step=650.ckpt") == tmp_path / "step=550.ckpt"
+
+
+def test_a_save_that_crashed_between_its_renames_is_used_whole(tmp_path):
+    _fake_checkpoint(tmp_path / "step=2.ckpt", 2, "run-a")
+    staged = _fake_checkpoint(tmp_path / "last.ckpt.tmp-run-a.77", 4, "run-a")  # manifest written, not renamed
+    manifest = json.loads((staged / MANIFEST).read_text())
+    (staged / MANIFEST).write_text(json.dumps({**manifest, "created": 9e9}))
+    with pytest.warns(UserWarning, match="was interrupted"):
+        assert latest_complete(tmp_path / "last.ckpt") == staged
+
+
 def test_an_interrupted_save_without_a_checkpoint_of_its_run_is_an_error(tmp_path):
     _fake_checkpoint(tmp_path / "step=3.ckpt", 3, "run-b")
     (tmp_path / "step=4.ckpt.tmp-run-a.1234").mkdir()

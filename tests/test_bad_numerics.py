@@ -146,6 +146,57 @@ def embedding_backstop() -> dict[str, Any]:
     return out
 
 
+class EpochEndStepGPT(GPTModule):
+    """Manual optimization that accumulates over the epoch and steps in on_train_epoch_end (a hook
+    where per-step logging is not allowed)."""
+
+    def __init__(self) -> None:
+        super().__init__(GPTConfig(**TINY_GPT), lr=1e-2, warmup_steps=2)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.manual_backward(super().training_step(batch, batch_idx))
+
+    def on_train_epoch_end(self) -> None:
+        opt = self.optimizers()
+        opt.step()
+        opt.zero_grad()
+
+
+class TwoPassSGD(torch.optim.Optimizer):
+    """A SAM-like optimizer outside torch.optim that must evaluate its closure itself."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        assert closure is not None, "TwoPassSGD needs a closure"
+        with torch.enable_grad():
+            loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+class ClosureGPT(GPTModule):
+    def configure_optimizers(self) -> Any:
+        return TwoPassSGD(self.parameters())
+
+
+class HugeGradientGPT(GPTModule):
+    """Finite gradients around 1e20: their sum of squares overflows fp32, the gradients do not."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * 1e20
+
+
+def _fit_quietly(model: GPTModule, steps: int, **trainer_kwargs: Any) -> dict[str, Any]:
+    return _fit_until_error(model, ThreeDPrecision("32-true"), stage=0, steps=steps, **trainer_kwargs)
+
+
 def world(directory: str) -> dict[str, Any]:
     box = [_lying_token_file(directory), _wide_token_file(directory)] if dist.get_rank() == 0 else [None, None]
     dist.broadcast_object_list(box, 0)
@@ -160,6 +211,9 @@ def world(directory: str) -> dict[str, Any]:
             "ids_past_vocab_tp1": lambda: _fit_data(lying),
             "ids_past_vocab_tp2": lambda: _fit_data(lying, tp=2),
             "embedding_backstop": embedding_backstop,
+            "epoch_end_step": lambda: _fit_quietly(EpochEndStepGPT(), 1, max_epochs=1, limit_train_batches=2),
+            "closure_optimizer": lambda: _fit_quietly(ClosureGPT(GPTConfig(**TINY_GPT)), 2),
+            "huge_finite_gradients": lambda: _fit_quietly(HugeGradientGPT(GPTConfig(**TINY_GPT)), 2, gradient_clip_val=1.0),
         }
     )
 
@@ -321,3 +375,18 @@ def test_byte_corpus_is_checked_exactly_against_the_model_vocabulary():
     assert setup_with(255)._train.vocab_size == 255  # windows now check against the model's vocabulary
     with pytest.raises(ValueError, match=r"standard-library byte corpus holds bytes up to \d+ \(needs vocab_size >= \d+\), but the model's vocabulary has 100 entries"):
         setup_with(100)
+
+
+def test_a_manual_step_in_an_epoch_hook_is_not_broken_by_the_step_counters(ranks):
+    for result in _errors(ranks, "epoch_end_step"):
+        assert result["raised"] is None and result["finite"], result["raised"]
+
+
+def test_an_optimizer_that_evaluates_its_own_closure_still_gets_it(ranks):
+    for result in _errors(ranks, "closure_optimizer"):
+        assert result["raised"] is None and result["global_step"] == 2, result["raised"]
+
+
+def test_finite_gradients_whose_squared_norm_overflows_are_not_skipped(ranks):
+    for result in _errors(ranks, "huge_finite_gradients"):
+        assert result["raised"] is None and result["skipped"] == 0, result

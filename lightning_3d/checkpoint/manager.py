@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_3d.checkpoint.compatibility import model_record
 from lightning_3d.checkpoint.collect import collect_model, collect_optimizer, merge_param_groups, named_param_groups, rng_tensors
 from lightning_3d.checkpoint.sharded import (
+    CheckpointError,
     LazyDense,
     LazyOptimizerState,
     RankShard,
@@ -126,7 +129,7 @@ class ShardedCheckpointer:
     # -- load -----------------------------------------------------------------------------------------
     def load(self, path: str, weights_only: bool, layout: dict[str, Any]) -> dict[str, Any]:
         self.finalize()
-        reader = ShardedCheckpoint(latest_complete(Path(path)), weights_only=weights_only)
+        reader = ShardedCheckpoint(self._resolve(Path(path)), weights_only=weights_only)
         self.run_id = reader.manifest.get("run_id") or self.run_id  # saves from here on continue its run
         checkpoint = dict(reader.meta())
         checkpoint["state_dict"] = LazyDense(reader, "model")
@@ -136,6 +139,26 @@ class ShardedCheckpointer:
             self._restore_rng(reader)
         checkpoint["lightning_3d_checkpoint"] = str(reader.path)
         return checkpoint
+
+    @staticmethod
+    def _resolve(path: Path) -> Path:
+        """Which checkpoint ``path`` means, decided once on rank 0 and told to every rank (ranks that
+        list a shared filesystem each could see it differently, and one would go on alone)."""
+        answer: list[Any] = [None]
+        if dist.get_rank() == 0:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    answer = [(str(latest_complete(path)), None, [str(w.message) for w in caught])]
+                except CheckpointError as err:
+                    answer = [(None, str(err), [])]
+        dist.broadcast_object_list(answer, src=0)
+        resolved, error, said = answer[0]
+        if error is not None:
+            raise CheckpointError(error)
+        for message in said:
+            rank_zero_warn(message)
+        return Path(resolved)
 
     def _restore_rng(self, reader: ShardedCheckpoint) -> None:
         tensors = reader._file(f"rank{dist.get_rank()}.pt")

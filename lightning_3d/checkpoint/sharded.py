@@ -255,13 +255,18 @@ def latest_complete(path: Path, fallback: bool = True) -> Path:
     if not runs:
         raise CheckpointError(f"checkpoint {path} does not exist.{_beside(path)}")
     known = {r for r in runs if r is not None}
-    candidates = [c for c in complete_checkpoints(path.parent) if known and read_manifest(c[0]).get("run_id") in known]
+    staged = [c for c in path.parent.iterdir() if c.name.startswith(f"{path.name}.tmp-") and (c / MANIFEST).is_file()]
+    candidates = [
+        c for c in [p for p, _ in complete_checkpoints(path.parent)] + staged  # staged: crashed between its two renames
+        if known and _manifest_or_none(c).get("run_id") in known
+    ]
     if not candidates:
         raise CheckpointError(
             f"checkpoint {path} does not exist: its save was interrupted, and no complete checkpoint of the same run "
             f"is beside it.{_beside(path)} Pass one of them explicitly as ckpt_path."
         )
-    best = max(candidates, key=lambda c: (c[1], c[0].stat().st_mtime))[0]
+    # the newest *written*, not the highest step: a run rolled back to an earlier step continues from there
+    best = max(candidates, key=lambda c: (_manifest_or_none(c).get("created", 0.0), c.stat().st_mtime))
     if not fallback:
         raise CheckpointError(
             f"checkpoint {path} does not exist: its save was interrupted. The newest complete checkpoint of the same "
@@ -273,6 +278,13 @@ def latest_complete(path: Path, fallback: bool = True) -> Path:
         stacklevel=2,
     )
     return best
+
+
+def _manifest_or_none(path: Path) -> dict[str, Any]:
+    try:
+        return read_manifest(path)
+    except (CheckpointError, ValueError, json.JSONDecodeError):
+        return {}
 
 
 class ShardedCheckpoint:
