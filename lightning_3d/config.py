@@ -8,10 +8,20 @@ the fix.
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from lightning_3d.layout_rules import (
+    ModelLike,
+    Refusal,
+    batch_refusals,
+    layout_refusals,
+    model_refusals,
+    models_in,
+    raise_refusals,
+    world_refusals,
+)
 from lightning_3d.topology import Degree, ParallelDims
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -85,17 +95,6 @@ class ParallelConfig:
             _positive_int("micro_batches", self.micro_batches)
         _positive_int("virtual_stages", self.virtual_stages)
         _positive_int("checkpoint_every_n_layers", self.checkpoint_every_n_layers)
-        if self.micro_batches is not None and self.pipeline_schedule == "interleaved_1f1b":
-            if self.micro_batches < self.pipeline_parallel or self.micro_batches % self.pipeline_parallel:
-                raise ValueError(
-                    f"the interleaved schedule needs micro_batches to be a multiple of pipeline_parallel (and at least "
-                    f"as many): micro_batches={self.micro_batches}, pipeline_parallel={self.pipeline_parallel}."
-                )
-        if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved_1f1b":
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs pipeline_schedule='interleaved_1f1b' "
-                f"(got {self.pipeline_schedule!r}); set the schedule or use virtual_stages=1."
-            )
         self.activation_checkpointing = _normalize_choice(
             "activation_checkpointing",
             self.activation_checkpointing,
@@ -108,57 +107,91 @@ class ParallelConfig:
         self.offload_params = _normalize_choice(
             "offload_params", self.offload_params, OFFLOAD_TARGETS, {None: "none", False: "none", True: "cpu"}
         )
-        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
-            raise ValueError("offload to 'nvme' needs nvme_path=<a directory on a fast local disk>.")
-        if self.offload_params != "none" and self.zero_stage != 3:
-            raise ValueError(
-                f"offload_params={self.offload_params!r} shards parameters and so needs zero_stage=3 "
-                f"(got zero_stage={self.zero_stage}); use offload_optimizer for stages 1-2."
-            )
-        if self.offload_optimizer != "none" and self.zero_stage == 0:
-            raise ValueError(
-                f"offload_optimizer={self.offload_optimizer!r} offloads the ZeRO optimizer's shard and needs "
-                f"zero_stage >= 1 (got 0)."
-            )
         if self.sequence_parallel and self.tensor_parallel == 1:
             warnings.warn("sequence_parallel=True has no effect with tensor_parallel=1; disabling it.", stacklevel=3)
             self.sequence_parallel = False
         self.timeout = _to_timedelta(self.timeout)
+        invalid = [r for r in self.refusals() if not r.unsupported]
+        raise_refusals(invalid)
+        self._check_nvme_path()
 
     def check_world(self, world_size: int, processes_per_node: int) -> ParallelDims:
         """Resolve the degrees against the world; raise ``ValueError`` before any rank does work."""
-        dims = self.dims.resolve(world_size)
-        dims.check_nodes(processes_per_node)
-        return dims
+        raise_refusals(
+            world_refusals(
+                dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel,
+                world_size=world_size, processes_per_node=processes_per_node,
+            )
+        )
+        return self.dims.resolve(world_size)
 
     def require_implemented(self) -> None:
-        """Refuse, clearly, the features that later milestones add."""
-        pending = [
-            (
-                self.pipeline_parallel > 1 and self.zero_stage == 3,
-                "zero_stage=3 with pipeline_parallel > 1",
-                "ZeRO-3 under pipeline parallelism (parameters would be re-gathered for every micro-batch; "
-                "DeepSpeed refuses it too): use zero_stage=1 or 2",
-            ),
-            (
-                self.zero_stage == 3 and self.sequence_parallel,
-                "zero_stage=3 with sequence_parallel=True",
-                "sequence parallelism under ZeRO-3 (use zero_stage <= 2, or sequence_parallel=False)",
-            ),
-            (
-                self.offload_params == "nvme" or (self.offload_optimizer == "nvme" and self.zero_stage == 3),
-                "NVMe offload with zero_stage=3",
-                "NVMe offload of ZeRO-3 parameters (use offload_params='cpu', or zero_stage 1-2 with "
-                "offload_optimizer='nvme')",
-            ),
-        ]
-        for missing, setting, feature in pending:
-            if missing:
-                raise NotImplementedError(
-                    f"{setting}: {feature} is not implemented in this version of lightning_3d yet. "
-                    f"Data, tensor and pipeline parallelism with ZeRO stages 0-3, CPU offload and NVMe offload "
-                    f"of optimizer state (stages 1-2) are."
-                )
+        """Refuse, clearly, the combinations this version does not implement (``NotImplementedError``)."""
+        raise_refusals([r for r in self.refusals() if r.unsupported])
+
+    def refusals(
+        self,
+        model: Optional[ModelLike] = None,
+        world_size: Optional[int] = None,
+        processes_per_node: Optional[int] = None,
+        per_replica_batch: Optional[int] = None,
+        tensor_parallel_plan: bool = True,
+    ) -> list[Refusal]:
+        """Every reason this layout cannot run (:mod:`lightning_3d.layout_rules`, the rules the
+        planner uses too); the model, world and batch parts only when those are given."""
+        return layout_refusals(
+            tp=self.tensor_parallel,
+            pp=self.pipeline_parallel,
+            dp=self.data_parallel,
+            zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel,
+            schedule=self.pipeline_schedule,
+            virtual_stages=self.virtual_stages,
+            micro_batches=self.micro_batches,
+            offload_optimizer=str(self.offload_optimizer),
+            offload_params=str(self.offload_params),
+            model=model,
+            tensor_parallel_plan=tensor_parallel_plan,
+            world_size=world_size,
+            processes_per_node=processes_per_node,
+            per_replica_batch=per_replica_batch,
+        )
+
+    def check_models(self, root: Any, tensor_parallel_plan: bool = True) -> None:
+        """At set-up, before anything is sharded: refuse, with every reason at once, a layout that the
+        shapes of the models inside ``root`` (reference GPT, HF Llama / GPT-2) cannot take.
+        ``tensor_parallel_plan=False``: the user's own plan decides what tensor parallelism splits."""
+        reasons = []
+        for name, dims in models_in(root):
+            found = model_refusals(
+                tp=self.tensor_parallel,
+                pp=self.pipeline_parallel,
+                virtual_stages=self.virtual_stages,
+                sequence_parallel=self.sequence_parallel,
+                model=dims,
+                tensor_parallel_plan=tensor_parallel_plan,
+            )
+            where = f"model {name!r}: " if name else ""
+            reasons += [replace(r, message=where + r.message) for r in found]
+        raise_refusals(reasons)
+
+    def check_batch(self, per_replica_batch: Optional[int]) -> None:
+        """Before the first step: the pipeline's micro-batch count must split each replica's batch."""
+        raise_refusals(
+            batch_refusals(pp=self.pipeline_parallel, micro_batches=self.micro_batches, per_replica_batch=per_replica_batch)
+        )
+
+    def _check_nvme_path(self) -> None:
+        """At construction (before any rank starts): the NVMe directory exists and this user can write there."""
+        if "nvme" not in (self.offload_optimizer, self.offload_params):
+            return
+        if not self.nvme_path:
+            raise ValueError("offload to 'nvme' needs nvme_path=<a directory on a fast local disk>.")
+        from lightning_3d.zero.offload import nvme_directory_problem
+
+        problem = nvme_directory_problem(str(self.nvme_path))
+        if problem:
+            raise ValueError(problem)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
+from lightning_3d.layout_rules import LayoutRefused
 from lightning_3d.planner import PlanResult, Planner, best_completion, plan, problem_from_config
 from lightning_3d.planner.search import Estimate, Problem
 
@@ -132,7 +134,15 @@ def plan_main(argv: list[str]) -> int:
         import time
 
         start = time.perf_counter()
-        estimate = best_completion(Planner(problem), parse_layout(args.layout))
+        try:
+            estimate = best_completion(Planner(problem), parse_layout(args.layout))
+        except LayoutRefused as err:  # the strategy would refuse it too: say why, one line per reason
+            head = err.prefix.rstrip(": ") or f"layout {args.layout} cannot run"
+            print(f"lightning-3d plan: {head}:", *(f"  - {r.message}" for r in err.refusals), sep="\n", file=sys.stderr)
+            return 2
+        except ValueError as err:  # a malformed --layout
+            print(f"lightning-3d plan: {err}", file=sys.stderr)
+            return 2
         result = PlanResult(problem, [estimate], 1, time.perf_counter() - start)
     else:
         result = plan(problem, all_layouts=args.all)

@@ -52,6 +52,18 @@ class ModelShape:
         )
 
     @property
+    def labels(self) -> dict[str, str]:
+        """The config keys (``conf/model/*.yaml``) behind each size, for messages that name them."""
+        return {
+            "n_layer": "model.n_layer",
+            "hidden": "model.n_embd",
+            "n_head": "model.n_head",
+            "n_kv_head": "model.n_kv_head",
+            "ffn": "model.ffn_hidden",
+            "seq_len": "sequence length (model.block_size, or --seq-len)",
+        }
+
+    @property
     def head_dim(self) -> int:
         return self.hidden // self.n_head
 

@@ -13,6 +13,16 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Iterator, Optional
 
+from lightning_3d.layout_rules import (
+    LayoutRefused,
+    Refusal,
+    batch_refusals,
+    feature_refusals,
+    pipeline_refusals,
+    sequence_parallel_refusals,
+    tensor_parallel_refusals,
+    world_refusals,
+)
 from lightning_3d.planner.hardware import ClusterSpec
 from lightning_3d.planner.memory import ActivationOptions, activation_bytes, activations_in_flight, zero_model_state_bytes
 from lightning_3d.planner.model_shape import ModelShape
@@ -235,6 +245,7 @@ class Planner:
         self.problem = problem
         self.c, self.k = PRECISIONS[problem.precision]
         self._layer_cost = functools.lru_cache(maxsize=None)(self._layer_cost_uncached)
+        self._degree_cache: dict[tuple[int, int, int], list[Refusal]] = {}
 
     # -- bandwidths --------------------------------------------------------------------------
     def _per_device_network(self) -> float:
@@ -395,45 +406,164 @@ class Planner:
         )
 
     # -- the search space ---------------------------------------------------------------------
+    # Candidates come from the software profile's options; a candidate is proposed only when no rule
+    # refuses it: the strategy's own (lightning_3d.layout_rules, which ParallelConfig raises) and the
+    # planner's (the batch must split evenly, the profile must offer the option).
+    def degree_refusals(self, d: int, t: int, pp: int) -> list[Refusal]:
+        """Why (dp, tp, pp) cannot train this model on this cluster with this batch."""
+        key = (d, t, pp)
+        if key not in self._degree_cache:
+            self._degree_cache[key] = self._degree_refusals(d, t, pp)
+        return self._degree_cache[key]
+
+    def _degree_refusals(self, d: int, t: int, pp: int) -> list[Refusal]:
+        p, model, cluster, sw = self.problem, self.problem.model, self.problem.cluster, self.problem.software
+        out: list[Refusal] = []
+        if d * t * pp != cluster.world_size:
+            out.append(Refusal(
+                "world_size",
+                f"layout dp x tp x pp = {d} x {t} x {pp} = {d * t * pp} does not match the {cluster.world_size} devices "
+                f"of cluster {cluster.name!r}; choose degrees whose product is {cluster.world_size}.",
+            ))
+        else:
+            node = None if p.cross_node_tp else cluster.devices_per_node
+            out += world_refusals(dp=d, tp=t, pp=pp, world_size=cluster.world_size, processes_per_node=node)
+        out += tensor_parallel_refusals(t, model) + pipeline_refusals(pp, 1, model)
+        if p.global_batch % d:
+            out.append(Refusal(
+                "planner:dp_divides_batch",
+                f"dp={d} does not divide the global batch {p.global_batch}: the planner models equal batches per "
+                f"replica; choose dp dividing {p.global_batch}, or change data.global_batch_size.",
+            ))
+        if model.n_layer % pp and not sw.uneven_stages:
+            out.append(Refusal(
+                "profile:even_stages",
+                f"software profile {sw.name!r} splits layers evenly, and pp={pp} does not divide the {model.n_layer} "
+                f"layers; choose pp dividing {model.n_layer}.",
+            ))
+        return out
+
+    def refusals(self, layout: Layout) -> list[Refusal]:
+        """Every reason ``layout`` is not proposed: the strategy's rules on the keywords it would be
+        run with (:meth:`Layout.strategy_kwargs`), then the planner's and the profile's."""
+        out = list(self.degree_refusals(layout.dp, layout.tp, layout.pp))
+        return out + self._option_refusals(layout)
+
+    def _option_refusals(self, layout: Layout) -> list[Refusal]:
+        p, model, sw = self.problem, self.problem.model, self.problem.software
+        d, t, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
+        kw = layout.strategy_kwargs(p.global_batch)
+        out = feature_refusals(
+            tp=t, pp=pp, zero_stage=layout.zero_stage, sequence_parallel=layout.sequence_parallel,
+            schedule=layout.schedule, virtual_stages=v, micro_batches=kw["micro_batches"],
+            offload_optimizer=kw["offload_optimizer"] or "none", offload_params=kw["offload_params"] or "none",
+        )
+        allowed = {"zero3_with_pipeline": sw.zero3_with_pipeline, "zero3_with_sequence_parallel": sw.zero3_with_sequence_parallel}
+        out = [r for r in out if not allowed.get(r.rule)]  # a profile modelling software that has them
+        if v > 1 and pp <= model.n_layer:  # pp alone is checked with the degrees
+            out += pipeline_refusals(pp, v, model)
+        out += sequence_parallel_refusals(t, layout.sequence_parallel, model)
+        per_replica = p.global_batch // d
+        mb = layout.micro_batch_size
+        if mb < 1 or per_replica % mb:
+            out.append(Refusal(
+                "planner:micro_batch_divides_batch",
+                f"mb={mb} does not divide the per-replica batch {per_replica} (global batch {p.global_batch} / dp={d}); "
+                f"choose one of {', '.join(str(b) for b in range(1, per_replica + 1) if per_replica % b == 0)}.",
+            ))
+        else:
+            out += batch_refusals(pp=pp, micro_batches=kw["micro_batches"], per_replica_batch=per_replica)
+        if layout.sequence_parallel and t == 1:
+            out.append(Refusal(
+                "planner:sequence_parallel_needs_tp",
+                "sp=true needs tp > 1 (with tensor_parallel=1 the strategy ignores sequence_parallel); drop sp or raise tp.",
+            ))
+        if pp == 1 and (layout.schedule != "1f1b" or v != 1):
+            out.append(Refusal(
+                "planner:schedule_needs_pp",
+                f"schedule={layout.schedule!r}, v={v} describe a pipeline, but pp=1; leave them out or use pp > 1.",
+            ))
+        offered = [
+            ("zero stages", layout.zero_stage, sw.zero_stages),
+            ("recompute", layout.recompute, sw.recompute),
+            ("sequence parallelism", layout.sequence_parallel, sw.sequence_parallel),
+            ("offload", layout.offload, sw.offload),
+        ]
+        if pp > 1:
+            offered.append(("schedules", layout.schedule, sw.schedules))
+        for what, value, choices in offered:
+            if value not in choices:
+                out.append(Refusal(
+                    "profile:option",
+                    f"software profile {sw.name!r} offers {what} {', '.join(map(str, choices))}, not {value}; "
+                    f"pick one of those (or --software lightning_3d).",
+                ))
+        if pp > 1 and layout.schedule == "interleaved_1f1b" and pp < sw.interleaved_min_stages:
+            out.append(Refusal(
+                "profile:interleaved_stages",
+                f"software profile {sw.name!r} interleaves only with pp >= {sw.interleaved_min_stages} (got pp={pp}); "
+                f"use schedule=1f1b.",
+            ))
+        if v > 1 and model.n_layer % (pp * v) and not sw.uneven_stages:
+            out.append(Refusal(
+                "profile:even_stages",
+                f"software profile {sw.name!r} splits layers evenly, and pp x v = {pp * v} does not divide the "
+                f"{model.n_layer} layers; choose v with pp x v dividing {model.n_layer}.",
+            ))
+        if layout.offload == "nvme" and p.cluster.nvme_gb <= 0:
+            out.append(Refusal(
+                "planner:no_nvme",
+                f"offload=nvme, but cluster {p.cluster.name!r} has no NVMe (nvme_gb={p.cluster.nvme_gb:g}); use "
+                f"offload=cpu or set cluster.nvme_gb.",
+            ))
+        return out
+
     def degrees(self) -> Iterator[tuple[int, int, int]]:
-        """(dp, tp, pp) that divide the world, the heads and the batch."""
+        """(dp, tp, pp) that no rule refuses (:meth:`degree_refusals`)."""
         p, model, cluster = self.problem, self.problem.model, self.problem.cluster
         world = cluster.world_size
         tp_limit = world if p.cross_node_tp else cluster.devices_per_node
-        for t in range(1, tp_limit + 1):
-            if world % t or model.n_head % t or model.n_kv_head % t or model.hidden % t or model.ffn % t:
+        for t in range(1, min(tp_limit, world) + 1):
+            if world % t:
                 continue
-            for pp in range(1, model.n_layer + 1):
-                if world % (t * pp) or (model.n_layer % pp and not p.software.uneven_stages):
+            for pp in range(1, min(model.n_layer, world // t) + 1):
+                if (world // t) % pp == 0 and not self.degree_refusals(world // (t * pp), t, pp):
+                    yield world // (t * pp), t, pp
+
+    def candidates(self, d: int, t: int, pp: int, fixed: Optional[dict[str, Any]] = None) -> Iterator[Layout]:
+        """The profile's option combinations for (dp, tp, pp), unchecked; ``fixed`` pins fields."""
+        p, model, sw = self.problem, self.problem.model, self.problem.software
+        fixed = fixed or {}
+        per_replica = p.global_batch // d
+
+        def choices(name: str, default: Iterable[Any]) -> list[Any]:
+            return [fixed[name]] if name in fixed else list(default)
+
+        sizes = choices("micro_batch_size", (b for b in _powers_of_two(min(per_replica, p.max_micro_batch_size)) if per_replica % b == 0))
+        if pp == 1:
+            pairs = [(s, v) for s in choices("schedule", ["1f1b"]) for v in choices("virtual_stages", [1])]
+        else:
+            pairs = []
+            for s in choices("schedule", sw.schedules):
+                if s != "interleaved_1f1b":
+                    pairs += [(s, v) for v in choices("virtual_stages", [1])]
                     continue
-                d = world // (t * pp)
-                if p.global_batch % d:
-                    continue
-                yield d, t, pp
+                even = [v for v in range(2, 9) if model.n_layer % (pp * v) == 0]
+                pairs += [(s, v) for v in choices("virtual_stages", even or ([2] if "schedule" in fixed else []))]
+        sps = choices("sequence_parallel", [s for s in sw.sequence_parallel if not s or t > 1])
+        for mb in sizes:
+            for schedule, v in pairs:
+                for zero in choices("zero_stage", sw.zero_stages):
+                    for sp in sps:
+                        for recompute in choices("recompute", sw.recompute):
+                            for offload in choices("offload", ["none"]):
+                                yield Layout(d, t, pp, mb, schedule, v, zero, sp, recompute, offload)
 
     def options(self, d: int, t: int, pp: int) -> Iterator[Layout]:
-        p, model, sw = self.problem, self.problem.model, self.problem.software
-        per_replica = p.global_batch // d
-        sizes = [b for b in _powers_of_two(min(per_replica, p.max_micro_batch_size)) if per_replica % b == 0]
-        schedules: list[tuple[str, int]] = [("1f1b", 1)]
-        if pp > 1:
-            schedules = [(s, 1) for s in sw.schedules if s != "interleaved_1f1b"]
-            if "interleaved_1f1b" in sw.schedules and pp >= sw.interleaved_min_stages:
-                schedules += [("interleaved_1f1b", v) for v in range(2, 9) if model.n_layer % (pp * v) == 0]
-        sps = [s for s in sw.sequence_parallel if not s or (t > 1 and model.seq_len % t == 0)]
-        for mb in sizes:
-            m = per_replica // mb
-            for schedule, v in schedules:
-                if schedule == "interleaved_1f1b" and (m < pp or m % pp):
-                    continue
-                for zero in sw.zero_stages:
-                    if zero == 3 and pp > 1 and not sw.zero3_with_pipeline:
-                        continue
-                    for sp in sps:
-                        if zero == 3 and sp and not sw.zero3_with_sequence_parallel:
-                            continue
-                        for recompute in sw.recompute:
-                            yield Layout(d, t, pp, mb, schedule, v, zero, sp, recompute, "none")
+        """The candidates for (dp, tp, pp) that no rule refuses (the degrees are checked by :meth:`degrees`)."""
+        for layout in self.candidates(d, t, pp):
+            if not self._option_refusals(layout):
+                yield layout
 
     def search(self) -> list[Estimate]:
         """Every layout in the space, estimated; offload is tried only where nothing else fits."""
@@ -446,9 +576,9 @@ class Planner:
                 if estimate.fits or layout.zero_stage == 0:
                     continue
                 for target in sw.offload:
-                    if target == "none" or (target == "nvme" and (layout.zero_stage == 3 or self.problem.cluster.nvme_gb <= 0)):
-                        continue
-                    out.append(self.evaluate(replace(layout, offload=target)))
+                    offloaded = replace(layout, offload=target)
+                    if target != "none" and not self._option_refusals(offloaded):
+                        out.append(self.evaluate(offloaded))
         return out
 
 
@@ -476,25 +606,48 @@ def rank(estimates: Iterable[Estimate], distinct_degrees: bool = True) -> list[E
 
 def best_completion(planner: Planner, fixed: dict[str, Any]) -> Estimate:
     """The fastest layout that matches every given field (``dp``/``tp``/``pp`` required);
-    unfitting ones too when nothing fits, so a given layout is always reported."""
-    for key in ("dp", "tp", "pp"):
-        if key not in fixed:
-            raise ValueError(f"--layout needs {key}=; got {sorted(fixed)}.")
-    world = fixed["dp"] * fixed["tp"] * fixed["pp"]
-    if world != planner.problem.cluster.world_size:
-        raise ValueError(
-            f"layout dp x tp x pp = {fixed['dp']} x {fixed['tp']} x {fixed['pp']} = {world} does not match the "
-            f"{planner.problem.cluster.world_size} devices of cluster {planner.problem.cluster.name!r}."
-        )
-    candidates = [
-        planner.evaluate(layout)
-        for layout in planner.options(fixed["dp"], fixed["tp"], fixed["pp"])
-        if all(getattr(layout, key) == value for key, value in fixed.items() if key not in ("dp", "tp", "pp", "offload"))
-    ]
-    if "offload" in fixed and fixed["offload"] != "none":
-        candidates = [planner.evaluate(replace(e.layout, offload=fixed["offload"])) for e in candidates]
-    if not candidates:
-        raise ValueError(f"no layout matches {fixed} for this model, batch and software profile.")
-    fitting = [e for e in candidates if e.fits]
-    pool = fitting or candidates
+    unfitting ones too when nothing fits, so a given layout is always reported.
+
+    Raises :class:`~lightning_3d.layout_rules.LayoutRefused` (a ``ValueError``) when no rule-abiding
+    layout matches: with the reasons every candidate shares (the given fields' own), or else how
+    many candidates each rule excluded."""
+    missing = [key for key in ("dp", "tp", "pp") if key not in fixed]
+    if missing:
+        raise LayoutRefused([Refusal("planner:layout_needs_degrees", f"--layout needs {', '.join(k + '=' for k in missing)}; got {sorted(fixed)}.")])
+    candidates = list(planner.candidates(fixed["dp"], fixed["tp"], fixed["pp"], fixed))
+    reasons = [planner.refusals(layout) for layout in candidates]
+    ok = [layout for layout, why in zip(candidates, reasons) if not why]
+    if not ok:
+        shared = _shared(reasons)
+        if shared:
+            raise LayoutRefused(shared, prefix=f"layout {_fields(fixed)} cannot run: ")
+        raise LayoutRefused(_counted(reasons), prefix=f"no layout matches {_fields(fixed)}: ")
+    estimates = [planner.evaluate(layout) for layout in ok]
+    fitting = [e for e in estimates if e.fits]
+    pool = fitting or estimates
     return min(pool, key=lambda e: e.step_seconds if e.fits else e.memory["total"])
+
+
+def _fields(fixed: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in fixed.items())
+
+
+def _shared(reasons: list[list[Refusal]]) -> list[Refusal]:
+    """The refusals every candidate has: those of the given fields themselves."""
+    if not reasons:
+        return [Refusal("planner:no_candidates", "the software profile offers no option combination for these degrees.")]
+    return list(dict.fromkeys(r for r in reasons[0] if all(r in others for others in reasons[1:])))
+
+
+def _counted(reasons: list[list[Refusal]]) -> list[Refusal]:
+    """One refusal per rule: how many of the candidates it excluded, with an example."""
+    counts: dict[str, list[Any]] = {}
+    for why in reasons:
+        for rule in dict.fromkeys(r.rule for r in why):
+            entry = counts.setdefault(rule, [0, next(r for r in why if r.rule == rule)])
+            entry[0] += 1
+    n = len(reasons)
+    return [
+        Refusal(rule, f"{rule} excluded {count} of the {n} candidates, e.g. {example.message}")
+        for rule, (count, example) in sorted(counts.items(), key=lambda item: -item[1][0])
+    ]

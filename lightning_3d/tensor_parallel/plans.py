@@ -285,12 +285,6 @@ def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
 
 
 # -- built-in plans --------------------------------------------------------------------------------------
-def _require_divisible(values: dict[str, int], world: int) -> None:
-    for what, value in values.items():
-        if value % world:
-            raise ValueError(f"{what}={value} is not divisible by tensor_parallel={world}; pick a tensor_parallel that divides it.")
-
-
 def _gather_logits_hook(vocab_size: int, ctx: PlanContext) -> Callable[..., Any]:
     """Without targets a model returns logits: give callers the full vocabulary, as at tp=1."""
 
@@ -317,13 +311,9 @@ def gpt_plan(model: nn.Module) -> TensorParallelPlan:
     config = model.config
 
     def check(m: nn.Module, world: int) -> None:
-        _require_divisible({"GPTConfig.n_head": config.n_head, "GPTConfig.ffn_dim": config.ffn_dim}, world)
-        if config.kv_heads % world:
-            raise ValueError(
-                f"GPTConfig.n_kv_head={config.kv_heads} is not divisible by tensor_parallel={world}: each tensor-parallel "
-                f"rank must hold whole key/value heads (n_kv_head/tp of them); pick a tensor_parallel that divides "
-                f"{config.kv_heads}, or more key/value heads."
-            )
+        from lightning_3d.layout_rules import check_tensor_parallel  # the rules the strategy and planner share
+
+        check_tensor_parallel(m, world)
 
     def finalize(m: nn.Module, ctx: PlanContext) -> None:
         m.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp_group=ctx.tp_group, vocab_size=config.vocab_size)
@@ -373,14 +363,9 @@ def llama_plan(model: nn.Module) -> TensorParallelPlan:
     config = model.config
 
     def check(m: nn.Module, world: int) -> None:
-        _require_divisible(
-            {
-                "num_attention_heads": config.num_attention_heads,
-                "num_key_value_heads": config.num_key_value_heads,
-                "intermediate_size": config.intermediate_size,
-            },
-            world,
-        )
+        from lightning_3d.layout_rules import check_tensor_parallel  # the rules the strategy and planner share
+
+        check_tensor_parallel(m, world)
 
     return TensorParallelPlan(
         name="LlamaForCausalLM",
@@ -408,8 +393,9 @@ def gpt2_plan(model: nn.Module) -> TensorParallelPlan:
     config = model.config
 
     def check(m: nn.Module, world: int) -> None:
-        inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
-        _require_divisible({"n_head": config.n_head, "n_inner": inner}, world)
+        from lightning_3d.layout_rules import check_tensor_parallel  # the rules the strategy and planner share
+
+        check_tensor_parallel(m, world)
 
     return TensorParallelPlan(
         name="GPT2LMHeadModel",

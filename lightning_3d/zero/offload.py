@@ -16,16 +16,19 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import weakref
 import queue
 import shutil
+import socket
+import tempfile
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -56,24 +59,134 @@ class _Region:
     numel: int
 
 
+def nvme_directory_problem(directory: str) -> Optional[str]:
+    """Why ``directory`` cannot hold NVMe offload files -- missing, not a directory, not writable by
+    this user -- or None. Writability is tested by creating (and removing) a file there, so read-only
+    mounts and ACLs are caught too, not only the permission bits."""
+    root = Path(directory)
+    if not root.exists():
+        return (
+            f"nvme_path={directory!r} does not exist; create it on a fast local disk (an NVMe drive), e.g. "
+            f"`mkdir -p {directory}`, or fix the path."
+        )
+    if not root.is_dir():
+        return f"nvme_path={directory!r} does not exist as a directory (it is a file); point nvme_path at a directory."
+    fix = "fix its permissions (chmod/chown) or choose a directory on a local disk this user can write"
+    if not os.access(root, os.W_OK | os.X_OK):
+        return f"nvme_path={directory!r} is not writable by this user (uid {os.getuid()}); {fix}."
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lightning_3d_write_test_", dir=root)
+    except OSError as err:
+        return f"nvme_path={directory!r} is not writable: creating a file there failed ({err.strerror}); {fix}."
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+_LIVE_STORES: "weakref.WeakSet[NVMeStateStore]" = weakref.WeakSet()
+_SHOWN_SHORTFALLS = 4  # disks named in one error (the verdict every rank receives stays small)
+
+
+def _still_to_write(device: int) -> int:
+    """Bytes this process's live stores on filesystem ``device`` have reserved but not yet written:
+    their files are sparse until each chunk is first written, so free space does not show them."""
+    total = 0
+    for store in list(_LIVE_STORES):
+        if store.device != device or not store.alive:
+            continue
+        try:
+            allocated = os.fstat(store.fd).st_blocks * 512
+        except OSError:
+            continue
+        total += max(0, store.nbytes - allocated)
+    return total
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 3, 6]`` -> ``"0-3, 6"``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+Report = tuple[str, int, str, int, int, int, Optional[str]]  # host, st_dev, path, rank, bytes, free, problem
+
+
+def _verdict(reports: list[Report]) -> list[str]:
+    """Unusable directories, then per (host, filesystem) the ranks' bytes summed against its free
+    space: one message per problem, at most a few (every rank receives this list)."""
+    out = [f"rank {rank} on host {host}: {problem}" for host, _, _, rank, _, _, problem in reports if problem]
+    disks: dict[tuple[str, int], list[Report]] = {}
+    for report in reports:
+        if not report[6]:
+            disks.setdefault((report[0], report[1]), []).append(report)
+    mib = 2**20
+    for (host, _), members in disks.items():
+        path, free = members[0][2], min(m[5] for m in members)
+        needed = sum(m[4] for m in members)
+        if free >= needed:
+            continue
+        if len(members) == 1:
+            who = f"rank {members[0][3]}'s optimizer state needs {needed / mib:.0f} MiB"
+        else:
+            who = (
+                f"the {len(members)} ranks writing there (ranks {_ranks_text([m[3] for m in members])}) need "
+                f"{needed / mib:.0f} MiB of optimizer state in total"
+            )
+        out.append(
+            f"nvme_path={path!r} on host {host} has {free / mib:.0f} MiB free but {who}; free space, choose a bigger "
+            f"disk, or use offload_optimizer='cpu'"
+        )
+    if len(out) > _SHOWN_SHORTFALLS:
+        out = out[:_SHOWN_SHORTFALLS] + [f"and {len(out) - _SHOWN_SHORTFALLS} more"]
+    return out
+
+
+def check_nvme_directory(directory: str, needed: int, rank: int) -> None:
+    """Refuse, on every rank at once, NVMe offload that cannot start: a directory some rank cannot
+    use, or ranks sharing a filesystem that need more than it has free (``OSError(ENOSPC)``).
+
+    Each rank reports (host, ``os.stat().st_dev``, bytes) once; rank 0 sums per disk and broadcasts
+    the verdict: O(world) small messages in all, no all-to-all gather. Without a process group
+    (or with one rank) it checks this process alone."""
+    problem = nvme_directory_problem(directory)
+    device, free, mine = -1, 0, needed
+    if problem is None:
+        device = os.stat(directory).st_dev
+        free = shutil.disk_usage(directory).free
+        mine = needed + _still_to_write(device)
+    report: Report = (socket.gethostname(), device, directory, rank, mine, free, problem)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        verdict = _verdict([report])
+    else:
+        first = dist.get_rank() == 0
+        reports: Optional[list[Any]] = [None] * dist.get_world_size() if first else None
+        dist.gather_object(report, reports, dst=0)
+        box: list[Any] = [_verdict(reports) if first and reports is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if problem is not None:  # this rank's own directory: the typed error, naming it
+        raise (PermissionError if Path(directory).is_dir() else FileNotFoundError)(problem)
+    if verdict:
+        raise OSError(errno.ENOSPC, "NVMe offload cannot start: " + "; ".join(verdict))
+
+
 class NVMeStateStore:
-    """Adam state (fp32 master, exp_avg, exp_avg_sq) of this rank's slices, in a file."""
+    """Adam state (fp32 master, exp_avg, exp_avg_sq) of this rank's slices, in a file.
+
+    Construction is collective when a process group exists (the free-space check sums the ranks
+    that share a disk): every rank builds its stores in the same order, as the ZeRO optimizer does.
+    """
 
     def __init__(self, directory: str, rank: int, sizes: list[int], pool: int = 2, buffer_sets: int = 3) -> None:
         root = Path(directory)
-        if not root.is_dir():
-            raise FileNotFoundError(
-                f"nvme_path={directory!r} does not exist or is not a directory; create it on a fast local disk "
-                f"(an NVMe drive) or fix the path."
-            )
-        needed = sum(sizes) * len(ADAM_STATE) * 4
-        free = shutil.disk_usage(root).free
-        if free < needed:
-            raise OSError(
-                errno.ENOSPC,
-                f"nvme_path={directory!r} has {free / 2**20:.0f} MiB free but rank {rank}'s optimizer state needs "
-                f"{needed / 2**20:.0f} MiB; free space or choose another disk",
-            )
+        self.nbytes = sum(sizes) * len(ADAM_STATE) * 4
+        check_nvme_directory(directory, self.nbytes, rank)
+        self.device = os.stat(root).st_dev
         # unique per store: two optimizers (or a second fit while the first's state lives) never share
         self.path = root / f"lightning_3d_optimizer_rank{rank}_{os.getpid()}_{next(_STORES)}.bin"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -94,6 +207,7 @@ class NVMeStateStore:
             self._free.put({name: host_empty(chunk) for name in ADAM_STATE})
         # the file outlives training (a checkpoint may be saved after fit) but not the process
         self._finalizer = weakref.finalize(self, _remove_file, self.fd, self.path)
+        _LIVE_STORES.add(self)  # later stores count what this one has yet to write
 
     def _write_zeros(self, nbytes: int) -> None:
         try:
@@ -158,6 +272,11 @@ class NVMeStateStore:
 
     def write_all(self, slot: int, name: str, data: Tensor) -> None:
         self.write(slot, name, 0, data.detach().to("cpu", torch.float32))
+
+    @property
+    def alive(self) -> bool:
+        """Whether the file is still open (and its descriptor still this store's)."""
+        return self._finalizer.alive
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
