@@ -201,7 +201,7 @@ def sequence_parallel_refusals(tp: int, sequence_parallel: bool, model: Any) -> 
     return [Refusal(
         "sequence_parallel_divides_sequence",
         f"sequence_parallel=True splits the sequence over tensor_parallel={tp} ranks, but the sequence length "
-        f"({_label(model, 'seq_len')}={seq}) is not divisible by {tp}; use sequence_parallel=False or a "
+        f"{seq} ({_label(model, 'seq_len')}) is not divisible by {tp}; use sequence_parallel=False or a "
         f"tensor_parallel that divides {seq}.",
     )]
 

@@ -128,6 +128,43 @@ def test_plan_layout_that_no_candidate_satisfies_counts_the_rules():
     assert rules["zero3_with_pipeline"].startswith(f"zero3_with_pipeline excluded {half} of the {candidates} candidates, e.g. ")
 
 
+TWO = ("cluster.devices_per_node=2",)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kwargs", "layout", "excerpt"),
+    [
+        # the strategy's rules, as the planner reports them
+        (("cluster.devices_per_node=2", "cluster.num_nodes=2", "cluster.inter_node_gb_per_s=10"), {}, "dp=1,tp=4,pp=1",
+         "a tensor-parallel group would span nodes"),
+        (TWO, {}, "dp=1,tp=1,pp=2,schedule=interleaved,v=4", "pieces need at least 8 layers, but the model has 4 (model.n_layer=4)"),
+        (TWO, {}, "dp=1,tp=1,pp=2,schedule=1f1b,v=2", "virtual_stages=2 needs pipeline_schedule='interleaved_1f1b'"),
+        (TWO, {}, "dp=1,tp=1,pp=2,schedule=interleaved,mb=16", "needs micro_batches to be a multiple of pipeline_parallel"),
+        (TWO, {}, "dp=1,tp=2,pp=1,zero=3,sp=true", "zero_stage=3 with sequence_parallel=True"),
+        (TWO, {}, "dp=2,tp=1,pp=1,zero=0,offload=cpu", "offloads the ZeRO optimizer's shard and needs zero_stage >= 1"),
+        ((*TWO, "cluster.nvme_gb=100"), {}, "dp=2,tp=1,pp=1,zero=3,offload=nvme", "NVMe offload with zero_stage=3"),
+        (TWO, dict(seq_len=127), "dp=1,tp=2,pp=1,sp=true", "the sequence length 127 (model.block_size or --seq-len) is not divisible by 2"),
+        # the planner's own
+        (("cluster.devices_per_node=3",), {}, "dp=3,tp=1,pp=1", "dp=3 does not divide the global batch 16"),
+        (TWO, {}, "dp=2,tp=1,pp=1,mb=3", "mb=3 does not divide the per-replica batch 8"),
+        (TWO, {}, "dp=2,tp=1,pp=1,sp=true", "sp=true needs tp > 1"),
+        (TWO, {}, "dp=2,tp=1,pp=1,schedule=gpipe", "describe a pipeline, but pp=1"),
+        (TWO, {}, "dp=2,tp=1,pp=1,offload=nvme,zero=1", "has no NVMe (nvme_gb=0)"),
+        (TWO, dict(software="megatron_2021"), "dp=2,tp=1,pp=1,zero=1", "offers zero stages 0, not 1"),
+        (TWO, dict(software="megatron_2021"), "dp=1,tp=1,pp=2,schedule=interleaved", "interleaves only with pp >= 3"),
+        (("cluster.devices_per_node=3",), dict(software="megatron_2021"), "dp=1,tp=1,pp=3", "splits layers evenly, and pp=3 does not divide the 4 layers"),
+    ],
+)
+def test_plan_layout_names_each_rule(overrides, kwargs, layout, excerpt):
+    from lightning_3d.layout_rules import LayoutRefused
+    from lightning_3d.planner.cli import parse_layout
+
+    with pytest.raises(LayoutRefused) as info:
+        best_completion(Planner(_problem(*overrides, **kwargs)), parse_layout(layout))
+    assert excerpt in str(info.value)
+    assert str(info.value).startswith("layout dp=")  # a reason every completion shares, named as the layout's own
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -60,7 +60,7 @@ class ModelShape:
             "n_head": "model.n_head",
             "n_kv_head": "model.n_kv_head",
             "ffn": "model.ffn_hidden",
-            "seq_len": "sequence length (model.block_size, or --seq-len)",
+            "seq_len": "model.block_size or --seq-len",
         }
 
     @property
