@@ -318,6 +318,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        # the layout rules the planner uses too, on the models' shapes: every reason at once, before any sharding
+        self.config.check_models(self.lightning_module, tensor_parallel_plan=self._tp_plan is None)
         if self.config.tensor_parallel > 1:
             self._apply_tensor_parallel()
         if self.config.activation_checkpointing != "none":
@@ -453,11 +455,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         m = self.config.micro_batches
         if m is not None and self.config.pipeline_parallel > 1:
             for size in [getattr(dl, "batch_size", None) for dl in loaders]:
-                if size is not None and size % m:
-                    raise ValueError(
-                        f"micro_batches={m} does not divide the per-replica batch size {size}; choose a divisor of {size} "
-                        f"or leave micro_batches=None."
-                    )
+                self.config.check_batch(size)  # the planner's rule too (layout_rules.batch_refusals)
         for dl in loaders:
             _warn_if_sampler_pads(getattr(dl, "sampler", None))
 
