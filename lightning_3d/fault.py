@@ -1,29 +1,51 @@
-"""Never hang: a heartbeat watchdog that ends a rank whose peer died or froze, naming the peer.
+"""Never hang, never outlive the job, and say once who is to blame.
 
 Collectives already fail after the strategy's ``timeout``; this covers what they cannot see and
 says who is to blame. Every rank bumps a counter in the rendezvous store (the TCPStore the process
 group was created with) every few seconds from a daemon thread, so a rank busy computing still
-beats; a peer whose counter has not moved for ``timeout`` seconds is dead or frozen. Staleness is
-judged on the local clock only (no clock skew between nodes). If the store itself is unreachable,
-the rank hosting it (global rank 0) is gone. Either way the rank prints which rank failed and
-exits, so the launcher (Lightning, torchrun, SLURM) ends or restarts the job.
+beats; a peer whose counter has not moved for ``timeout`` seconds (``$LIGHTNING_3D_HEARTBEAT_TIMEOUT``
+overrides it for the heartbeats alone) is dead or frozen. Staleness is judged on the local clock
+only (no clock skew between nodes). If the store itself is unreachable, the rank hosting it
+(global rank 0) is gone.
+
+The first rank to know what went wrong claims it in one store key (``compare_set``: the first
+writer wins): "rank k raised X" or "ranks [k] stopped responding". Every other rank reads that one
+key instead of judging for itself, so each names the same culprit with one line, and only the rank
+that raised prints a traceback (after it, the others' lines; see ``_excepthook``). A rank known to
+be frozen is SIGKILLed by a peer on its host (its pid is in the store), and the launcher kills
+stopped children at its exit (``launch_guard``), so a frozen process never outlives the job. Rank 0
+hosts the store: when it ends on a failure it waits a moment for the others to read the claim.
+
+Store traffic per rank is O(1) per beat and per failure, except ``check`` and ``diagnose``, which
+read every peer's counter (O(N) per rank); after a collective fails, only one rank runs ``diagnose``
+and the others wait for its verdict.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from lightning_3d import launch_guard
+from lightning_3d.launch_guard import ProcessRecord, kill_if_here, launcher_died, process_record
+
 PREFIX = "lightning_3d/heartbeat/"
+PROCESS = "lightning_3d/process/"
 DONE = "done"
 FAILED = "failed"
+ERROR, SILENT = "error", "silent"
+HEARTBEAT_TIMEOUT_ENV = "LIGHTNING_3D_HEARTBEAT_TIMEOUT"
+RESTART = "restart with ckpt_path='last' to resume from the last complete checkpoint."
+_COMMUNICATION_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "Timed out waiting")
 
 
 def _default_store() -> Optional[dist.Store]:
@@ -33,34 +55,119 @@ def _default_store() -> Optional[dist.Store]:
         return None
 
 
+def _private_client(store: dist.Store, timeout: float) -> dist.Store:
+    """A connection of our own whose operations give up after the heartbeat timeout: a frozen store
+    host then counts as silent like any other rank, instead of blocking for the collective timeout."""
+    try:
+        client = store.clone()
+        client.set_timeout(timedelta(seconds=max(timeout, 1.0)))
+        return client
+    except Exception:  # noqa: BLE001 - a store without clone (HashStore, FileStore, a test double)
+        return store
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The job's first failure: rank ``by`` raised (ERROR), or noticed that ``ranks`` went silent (SILENT)."""
+
+    by: int
+    kind: str
+    ranks: tuple[int, ...]
+    what: str
+
+    def encode(self) -> str:
+        return json.dumps({"by": self.by, "kind": self.kind, "ranks": list(self.ranks), "what": self.what})
+
+    @classmethod
+    def decode(cls, text: bytes) -> "Failure":
+        d = json.loads(text)
+        return cls(d["by"], d["kind"], tuple(d["ranks"]), d["what"])
+
+    def line_for(self, rank: int) -> str:
+        """What a rank that did not fail first prints: one line, naming the culprit and the fix."""
+        if self.kind == SILENT:
+            return (
+                f"lightning_3d: rank {rank} ends because rank(s) {list(self.ranks)} stopped responding (dead or "
+                f"frozen; noticed by rank {self.by}). Restart with ckpt_path='last' to resume from the last complete checkpoint."
+            )
+        return (
+            f"lightning_3d: rank {rank}: ended because rank {self.by} failed: {self.what}; see rank {self.by}'s "
+            f"traceback above. Fix it, then {RESTART}"
+        )
+
+
+def summarize(exception: BaseException) -> str:
+    text = str(exception).strip().splitlines()
+    first = text[0] if text else ""
+    line = f"{type(exception).__name__}: {first}" if first else type(exception).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def is_communication_error(exception: BaseException) -> bool:
+    """A collective or store failed: usually the consequence of a peer's failure, not a cause."""
+    seen: Optional[BaseException] = exception
+    while seen is not None:
+        if isinstance(seen, dist.DistError):
+            return True
+        if isinstance(seen, RuntimeError) and any(word in str(seen) for word in _COMMUNICATION_WORDS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+_sessions: dict[int, int] = {}  # rank -> monitors created: every rank creates its monitors in the same order
+
+
 class HealthMonitor:
     def __init__(
         self,
         timeout: timedelta,
         interval: Optional[float] = None,
         on_failure: Optional[Callable[[str], None]] = None,
+        *,
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        store: Optional[dist.Store] = None,
     ) -> None:
-        self.timeout = timeout.total_seconds()
+        override = os.environ.get(HEARTBEAT_TIMEOUT_ENV)
+        self.timeout = float(override) if override else timeout.total_seconds()
         self.interval = interval if interval is not None else max(0.5, min(5.0, self.timeout / 6))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.store = _default_store()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world = dist.get_world_size() if world is None else world
+        base = store if store is not None else _default_store()
+        self.store = _private_client(base, self.timeout) if base is not None else None
+        # Under torchrun's agent store the agent hosts it; otherwise rank 0 does.
+        self.hosts_store = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.on_failure = on_failure or _exit_with
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._beats = 0
         self._seen: dict[int, tuple[int, float]] = {}
+        self._records: dict[int, ProcessRecord] = {}
+        self._rank0_done = False
+        self._ending = threading.Lock()
+        self._store_dead = False
+        session = _sessions[self.rank] = _sessions.get(self.rank, -1) + 1
+        self._keys = {name: f"lightning_3d/{name}/{session}" for name in ("failure", "diagnosis", "reported", "ended", "done")}
+        self.failure: Optional[Failure] = None  # the job's first failure, once this rank knows it
 
+    # -- running ------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self.store is None or self.world == 1 or self._thread is not None:
             return
+        self.store.set(f"{PROCESS}{self.rank}", process_record().encode())
         self._beat()
+        _install_excepthook()
         self._thread = threading.Thread(target=self._run, name="lightning_3d-health", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """A clean end: peers must not take this rank's silence for a failure."""
+        """A clean end: peers must not take this rank's silence for a failure, and the launcher may
+        now exit before this rank without taking it along."""
         if self._thread is not None:
             self.stop_beating(DONE)
+            launch_guard.unwatch_launcher()
+            self._count_out("done", self.world)  # rank 0 keeps the store up until every rank has stopped beating
 
     def _beat(self) -> None:
         self._beats += 1
@@ -68,17 +175,34 @@ class HealthMonitor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            line = launcher_died()
+            if line is not None:  # no store operations: the store may have gone with the launcher
+                self.on_failure(line)
+                return
             try:
                 self._beat()
+                self._record(0)  # kept: if rank 0 freezes, so does the store that holds its pid
+                failure = self.read_failure()
+                if failure is not None and failure.by != self.rank and failure.kind == SILENT:
+                    self._end(failure.line_for(self.rank), failure.ranks)
+                    return
                 self.check()
             except Exception as err:  # noqa: BLE001 - the store went away with its host
-                if self._stop.is_set():
-                    return
-                self.on_failure(
-                    f"lightning_3d: rank {self.rank} lost the rendezvous store hosted by rank 0 ({err}); rank 0 is dead "
-                    f"or unreachable. Ending rank {self.rank}; restart with ckpt_path='last' to resume."
-                )
+                if self._stop.is_set() or self._rank0_done:
+                    return  # we are ending anyway, or rank 0 finished and took its store along
+                self._store_lost(err)
                 return
+
+    def _store_lost(self, err: BaseException) -> None:
+        self._store_dead = True
+        if self.failure is not None and self.failure.by != self.rank:
+            self.on_failure(self.failure.line_for(self.rank))
+            return
+        note = self._kill_note(self._kill((0,)))
+        self.on_failure(
+            f"lightning_3d: rank {self.rank} lost the rendezvous store hosted by rank 0 ({summarize(err)}); rank 0 is "
+            f"dead, frozen or unreachable{note}. Ending rank {self.rank}; restart with ckpt_path='last' to resume."
+        )
 
     def check(self) -> None:
         now = time.monotonic()
@@ -89,6 +213,7 @@ class HealthMonitor:
                 continue
             value = self.store.get(keys[r])
             if value in (DONE.encode(), FAILED.encode()):
+                self._rank0_done = self._rank0_done or (r == 0 and value == DONE.encode())
                 self._seen.pop(r, None)
                 continue
             count = int(value)
@@ -96,31 +221,193 @@ class HealthMonitor:
             if count != last_count:
                 self._seen[r] = (count, now)
             elif now - since > self.timeout:
-                self.on_failure(
-                    f"lightning_3d: rank {r} has not responded for {now - since:.0f} s (timeout {self.timeout:.0f} s): "
-                    f"it died or froze. Ending rank {self.rank} instead of hanging; restart with ckpt_path='last' to resume."
-                )
+                self._peer_silent(r, now - since)
                 return
 
+    def _peer_silent(self, r: int, silent_s: float) -> None:
+        failure = self.claim(Failure(self.rank, SILENT, (r,), f"rank {r} has not responded for {silent_s:.0f} s"))
+        if failure.by != self.rank:  # another rank was first: say what it found
+            self._end(failure.line_for(self.rank), failure.ranks)
+            return
+        note = self._kill_note(self._kill((r,)))
+        self._end(
+            f"lightning_3d: rank {r} has not responded for {silent_s:.0f} s (timeout {self.timeout:.0f} s): it died or "
+            f"froze{note}. Ending rank {self.rank} instead of hanging; restart with ckpt_path='last' to resume.",
+            (r,),
+            killed=True,
+        )
 
+    def _end(self, line: str, silent: tuple[int, ...] = (), killed: bool = False) -> None:
+        """End this rank on a failure found by its heartbeat thread: kill the silent ranks that run here,
+        say so, and, as the store's host, give the others a moment to read the claim first."""
+        if not self._ending.acquire(blocking=False):
+            return
+        self._stop.set()
+        if not killed:
+            self._kill(silent)
+        self._finish(expected=self.world - len(silent))
+        self.on_failure(line)
+
+    # -- the first failure ------------------------------------------------------------------------------
+    def claim(self, mine: Failure) -> Failure:
+        """Record ``mine`` as the job's first failure unless one is recorded; return the one that is."""
+        self.failure = Failure.decode(self.store.compare_set(self._keys["failure"], "", mine.encode()))
+        return self.failure
+
+    def read_failure(self) -> Optional[Failure]:
+        if self.failure is None and self.store.check([self._keys["failure"]]):
+            self.failure = Failure.decode(self.store.get(self._keys["failure"]))
+        return self.failure
+
+    def report(self, exception: BaseException) -> None:
+        """On an exception in this rank (``on_exception``): decide, once for the job, whose fault it is.
+
+        A communication error is most likely the echo of a peer's failure: the claim names it, or the
+        heartbeats show who went silent. Any other error is this rank's own and is claimed at once.
+        Attaches the one-line verdict to the exception (a note) for ranks that did not fail first; if
+        the exception ends the process, ``_excepthook`` prints that line instead of the traceback."""
+        if self.store is None or self.world == 1:
+            return
+        line = launcher_died()
+        if line is not None:
+            self.on_failure(line)
+            return
+        communication = is_communication_error(exception)
+        try:
+            self.stop_beating(FAILED)
+            if self.read_failure() is None:
+                if not communication:
+                    self.claim(Failure(self.rank, ERROR, (self.rank,), summarize(exception)))
+                elif self._lead_diagnosis():  # one rank watches the heartbeats; the others wait for its verdict
+                    silent = self.diagnose()
+                    if self.failure is None:
+                        self.claim(
+                            Failure(self.rank, SILENT, tuple(silent), f"rank(s) {silent} stopped responding")
+                            if silent
+                            else Failure(self.rank, ERROR, (self.rank,), summarize(exception))
+                        )
+                else:
+                    self._await_failure()
+                    if self.failure is None:  # the diagnosing rank is gone too
+                        self.claim(Failure(self.rank, ERROR, (self.rank,), summarize(exception)))
+        except Exception:  # noqa: BLE001 - the store is gone: go by what this rank already knew
+            self._store_dead = True
+        failure = self.failure
+        if failure is None:
+            if not communication:
+                return  # this rank's own error, and nobody to tell: its traceback says it all
+            line = (
+                f"lightning_3d: rank {self.rank}: lost contact with the job ({summarize(exception)}) and with the "
+                f"rendezvous store hosted by rank 0: rank 0 is dead or unreachable. Restart with ckpt_path='last' to resume."
+            )
+        elif failure.by == self.rank and failure.kind == ERROR:
+            line = None  # this rank failed first: its traceback is the one to read
+        elif failure.by == self.rank:
+            note = self._kill_note(self._kill(failure.ranks))
+            line = (
+                f"lightning_3d: rank(s) {list(failure.ranks)} stopped responding (dead or frozen) -- the likely cause of "
+                f"this error on rank {self.rank}{note}. Restart with ckpt_path='last' to resume from the last complete checkpoint."
+            )
+        else:
+            self._kill(failure.ranks if failure.kind == SILENT else ())
+            line = failure.line_for(self.rank)
+        if line is not None:
+            _add_note(exception, line)
+        _reported.update(exception=exception, monitor=self, line=line)
+
+    def _lead_diagnosis(self) -> bool:
+        key = self._keys["diagnosis"]
+        return self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode()
+
+    def _await_failure(self) -> None:
+        try:
+            self.store.wait([self._keys["failure"]], timedelta(seconds=5 * self.interval + 5.0))
+        except Exception:  # noqa: BLE001 - no verdict in time
+            return
+        self.read_failure()
+
+    def _finish(self, expected: int, reported: bool = False) -> None:
+        """This rank is ending on a failure: mark it, count it out."""
+        if self._store_dead:
+            return
+        try:
+            if reported:
+                self.store.set(self._keys["reported"], str(self.rank))
+            self.store.set(f"{PREFIX}{self.rank}", FAILED)
+        except Exception:  # noqa: BLE001 - the store is gone; nothing left to coordinate
+            return
+        self._count_out("ended", expected)
+
+    def _count_out(self, name: str, expected: int) -> None:
+        """Add this rank to counter ``name``; the store's host waits (briefly) until ``expected`` ranks
+        are, so that no rank loses the store while it still needs it. O(1) per rank."""
+        try:
+            self.store.add(self._keys[name], 1)
+            deadline = time.monotonic() + 2 * self.interval + 2.0
+            while self.hosts_store and self.store.add(self._keys[name], 0) < expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _wait_reported(self) -> None:
+        """A rank that did not fail first waits (briefly) for the traceback of the one that did."""
+        if self._store_dead:
+            return
+        try:
+            self.store.wait([self._keys["reported"]], timedelta(seconds=2 * self.interval + 3.0))
+        except Exception:  # noqa: BLE001 - it caught its exception, or the store went away with it
+            pass
+
+    # -- processes ----------------------------------------------------------------------------------------
+    def _record(self, r: int) -> Optional[ProcessRecord]:
+        if r not in self._records:
+            key = f"{PROCESS}{r}"
+            try:
+                if self.store.check([key]):
+                    self._records[r] = ProcessRecord.decode(self.store.get(key))
+            except Exception:  # noqa: BLE001
+                return None
+        return self._records.get(r)
+
+    def _kill(self, ranks: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
+        """SIGKILL those of ``ranks`` (known dead or frozen) that run on this host: (rank, pid) killed."""
+        killed = []
+        for r in ranks:
+            record = self._record(r) if r != self.rank else None
+            if record is not None and kill_if_here(record):
+                killed.append((r, record.pid))
+        return killed
+
+    @staticmethod
+    def _kill_note(killed: list[tuple[int, int]]) -> str:
+        return "".join(f"; killed rank {r}'s process (pid {pid}) on this host" for r, pid in killed)
+
+    # -- after a collective failed ------------------------------------------------------------------------
     def diagnose(self, wait: Optional[float] = None) -> list[int]:
         """After an error on this rank: which peers went silent? Marks this rank as failed (not
         dead), then watches for ``wait`` seconds; a peer that neither beats nor marks itself is dead
-        or frozen."""
+        or frozen. Stops early (returning []) once another rank has claimed the failure."""
         if self.store is None or self.world == 1:
             return []
         self.stop_beating(FAILED)
         wait = wait if wait is not None else 2.5 * self.interval + 1.0
         first = self._counters()
-        time.sleep(wait)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            try:
+                if self.read_failure() is not None:
+                    return []
+            except Exception:  # noqa: BLE001
+                break
         second = self._counters()
         return [r for r in range(self.world) if r != self.rank and first.get(r) is not None and first.get(r) == second.get(r)]
 
     def stop_beating(self, state: str) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval * 2)
-            self._thread = None
+        self._thread = None
         try:
             self.store.set(f"{PREFIX}{self.rank}", state)
         except Exception:  # noqa: BLE001
@@ -138,9 +425,69 @@ class HealthMonitor:
         return out
 
 
+def _add_note(exception: BaseException, line: str) -> None:
+    if hasattr(exception, "add_note"):
+        exception.add_note(line)
+    elif exception.args:  # Python 3.10
+        exception.args = (f"{exception.args[0]}\n{line}", *exception.args[1:])
+
+
+# -- ending the process ---------------------------------------------------------------------------------------
+_exiting = threading.Lock()
+_reported: dict[str, Any] = {}  # the exception report() judged, with its monitor and one-line verdict
+_hook: dict[str, Any] = {"previous": None}
+
+
 def _exit_with(message: str) -> None:
+    """Print one line and end this process now: no traceback, no C++ teardown noise from gloo."""
+    if not _exiting.acquire(blocking=False):
+        threading.Event().wait()  # another thread is already ending the process
     print(message, file=sys.stderr, flush=True)
+    launch_guard.reap_children()
+    sys.stdout.flush()
     os._exit(1)
+
+
+def watch_launcher(rank: int) -> bool:
+    """End this rank with one line as soon as the launcher that started it dies (``launch_guard``)."""
+    return launch_guard.watch_launcher(rank, _exit_with)
+
+
+def _judged(value: BaseException) -> bool:
+    seen: Optional[BaseException] = value
+    while seen is not None:
+        if seen is _reported.get("exception"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _excepthook(etype: type, value: BaseException, tb: Any) -> None:
+    """An exception ends this rank. The rank that failed first prints its traceback; every other
+    rank waits for it, then prints one line (no traceback, no gloo frames)."""
+    previous = _hook["previous"] or sys.__excepthook__
+    if not _judged(value):
+        previous(etype, value, tb)
+        return
+    monitor: HealthMonitor = _reported["monitor"]
+    line: Optional[str] = _reported["line"]
+    failure = monitor.failure
+    expected = monitor.world - (len(failure.ranks) if failure is not None and failure.kind == SILENT else 0)
+    if line is None:
+        previous(etype, value, tb)
+        sys.stderr.flush()
+        monitor._finish(expected, reported=True)
+        return
+    if failure is not None and failure.kind == ERROR and failure.by != monitor.rank:
+        monitor._wait_reported()
+    monitor._finish(expected)
+    _exit_with(line)
+
+
+def _install_excepthook() -> None:
+    if sys.excepthook is not _excepthook:
+        _hook["previous"] = sys.excepthook
+        sys.excepthook = _excepthook
 
 
 def elastic_attempt_store(timeout: timedelta) -> Optional[dist.Store]:

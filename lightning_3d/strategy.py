@@ -56,7 +56,8 @@ from lightning_3d.checkpoint.consolidated import (
 from lightning_3d.checkpoint.compatibility import check_compatible
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
-from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed
+from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed, watch_launcher
+from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSubprocessScriptLauncher
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.loss_normalization import normalize_over_data_parallel
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
@@ -275,16 +276,19 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # Lightning's launchers, whose children end with the launcher (lightning_3d/launch_guard.py)
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = GuardedSubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = GuardedMultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
         self._limit_cpu_threads()
         reset_seed()
         self.set_world_ranks()
+        if self._health_check:
+            watch_launcher(self.global_rank)  # a rank whose launcher dies ends at once, with one line
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -656,18 +660,11 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
-        """Name the rank that failed: a collective error on this rank usually means a peer died."""
+        """Name the rank that failed, once for the job: a collective error here usually means a peer died
+        (lightning_3d/fault.py: the first failure is claimed in the store; the others print one line)."""
         mark_failed()
-        if self._monitor is None or self._monitor.world == 1:
-            return
-        silent = self._monitor.diagnose()
-        if silent:
-            note = (
-                f"lightning_3d: rank(s) {silent} stopped responding (dead or frozen) -- the likely cause of this error "
-                f"on rank {self._monitor.rank}. Restart with ckpt_path='last' to resume from the last complete checkpoint."
-            )
-            print(note, file=sys.stderr, flush=True)
-            exception.args = (f"{exception.args[0] if exception.args else exception}\n{note}", *exception.args[1:])
+        if self._monitor is not None:
+            self._monitor.report(exception)
 
     def on_train_end(self) -> None:
         if self._checkpointer is not None:

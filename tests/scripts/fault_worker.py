@@ -1,15 +1,22 @@
-"""A 2-rank training job for fault tests, started by hand (env vars) or by torchrun.
+"""A small training job for fault tests, started by hand (env vars), by torchrun, or by Lightning.
 
-    fault_worker.py OUT MODE [TIMEOUT]
+    fault_worker.py OUT MODE [TIMEOUT] [DEVICES]
     MODE: none | kill_in_training | kill_in_save | elastic
+          | freeze_in_training   rank $FAULT_RANK (default: the last) stops itself (SIGSTOP) at step 3
+          | raise_in_training    rank $FAULT_RANK (default: every rank) raises ValueError at step 3
+          | slow                 every step sleeps 0.5 s, until killed (for a test that kills rank 0 from outside)
 
-Every rank appends {"attempt", "step", "loss"} lines to OUT/rank<r>.jsonl.
+With RANK in the environment the process is one rank of a job started by hand or by torchrun;
+without it, it is rank 0 and Lightning's launcher starts DEVICES - 1 more (start_method="popen").
+Every rank appends {"attempt", "step", "loss"} lines to OUT/rank<r>.jsonl and, for the tests that
+look for leftover processes, writes its pid to OUT/pid<r>.
 """
 
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -21,8 +28,10 @@ from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 20.0
-rank = int(os.environ["RANK"])
+devices = int(sys.argv[4]) if len(sys.argv) > 4 else None
+launched_by_hand = "RANK" in os.environ
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+fault_rank = int(os.environ["FAULT_RANK"]) if "FAULT_RANK" in os.environ else None
 
 
 def die() -> None:
@@ -30,25 +39,34 @@ def die() -> None:
 
 
 class Record(L.Callback):
+    def on_train_start(self, trainer, module):  # noqa: ANN001
+        (out / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+
     def on_train_batch_start(self, trainer, module, batch, i):  # noqa: ANN001
-        step = trainer.global_step
+        step, rank = trainer.global_step, trainer.global_rank
         if rank == 1 and step == 3 and mode == "kill_in_training":
             die()
         if rank == 1 and step == 5 and mode == "elastic" and attempt == 0:
             die()
+        if step == 3 and mode == "freeze_in_training" and rank == (trainer.world_size - 1 if fault_rank is None else fault_rank):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if step == 3 and mode == "raise_in_training" and fault_rank in (None, rank):
+            raise ValueError(f"a bug in the training step (step {step})")
+        if mode == "slow":
+            time.sleep(0.5)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, i):  # noqa: ANN001
-        with open(out / f"rank{rank}.jsonl", "a") as f:
+        with open(out / f"rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps({"attempt": attempt, "step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
 
 
-if mode == "kill_in_save" and rank == 1:  # die half-way through writing the second checkpoint
+if mode == "kill_in_save" and os.environ.get("RANK") == "1":  # die half-way through writing the second checkpoint
     original, calls = manager.write_rank_shard, []
 
     def write_then_die(tmp, shard):  # noqa: ANN001
         calls.append(1)
         if len(calls) == 2:
-            (tmp / f"rank{rank}.pt").write_bytes(b"\x00" * 1000)  # a partial file
+            (tmp / "rank1.pt").write_bytes(b"\x00" * 1000)  # a partial file
             die()
         return original(tmp, shard)
 
@@ -57,10 +75,12 @@ if mode == "kill_in_save" and rank == 1:  # die half-way through writing the sec
 L.seed_everything(0)
 checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}", save_last=True)
 trainer = quiet_trainer(
-    max_steps=8,
+    max_steps=10**6 if mode == "slow" else 8,
     limit_val_batches=0,
-    enable_checkpointing=True,
-    callbacks=[Record(), checkpoint],
+    enable_checkpointing=mode != "slow",  # (slow runs until killed: no pile of checkpoints)
+    callbacks=[Record()] + ([] if mode == "slow" else [checkpoint]),
     strategy=ThreeDParallelStrategy(timeout=timeout),
+    **({} if launched_by_hand else {"devices": devices or 2, "num_nodes": 1}),
 )
-trainer.fit(tiny_gpt(lr=3e-3), tiny_data(global_batch_size=8), ckpt_path="last" if mode == "elastic" else None)
+batch = 8 if launched_by_hand else 2 * (devices or 2)
+trainer.fit(tiny_gpt(lr=3e-3), tiny_data(global_batch_size=batch), ckpt_path="last" if mode == "elastic" else None)
