@@ -442,9 +442,17 @@ def _exit_with(message: str) -> None:
     """Print one line and end this process now: no traceback, no C++ teardown noise from gloo."""
     if not _exiting.acquire(blocking=False):
         threading.Event().wait()  # another thread is already ending the process
-    print(message, file=sys.stderr, flush=True)
-    launch_guard.reap_children()
-    sys.stdout.flush()
+    # os.write, not print: this may run in a signal handler that interrupted the main thread inside a
+    # write to the same stream, where print/flush would raise ("reentrant call") and never reach _exit
+    try:
+        os.write(2, f"{message}\n".encode())
+    except OSError:
+        pass
+    try:
+        launch_guard.reap_children()
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - ending anyway
+        pass
     os._exit(1)
 
 
