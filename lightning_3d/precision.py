@@ -447,8 +447,6 @@ def adopt_precision(plugin: Optional[Precision]) -> Optional[Precision]:
         return ThreeDPrecision(plugin.precision)
     if isinstance(plugin, HalfPrecision) and plugin.precision == "bf16-true":
         return ThreeDPrecision("bf16-true")
-    name = getattr(plugin, "precision", type(plugin).__name__)
-    raise ValueError(
-        f"precision={name!r} is not supported by ThreeDParallelStrategy; use '32-true', 'bf16-mixed', "
-        f"'16-mixed' or 'bf16-true'."
-    )
+    from lightning_3d.precision_flag import unsupported_precision
+
+    raise unsupported_precision(getattr(plugin, "precision", type(plugin).__name__))

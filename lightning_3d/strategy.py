@@ -52,7 +52,7 @@ from lightning_3d.checkpoint.consolidated import (
     shard_state_dict,
 )
 from lightning_3d.checkpoint.compatibility import check_compatible
-from lightning_3d.checkpoint.manager import ShardedCheckpointer
+from lightning_3d.checkpoint.manager import ShardedCheckpointer, check_keep_last_k
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed, watch_launcher
 from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSubprocessScriptLauncher
@@ -192,8 +192,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         if checkpoint_format not in ("sharded", "consolidated"):
             raise ValueError(f"checkpoint_format={checkpoint_format!r}: use 'sharded' or 'consolidated'.")
         self._checkpoint_format = checkpoint_format
-        if keep_last_k is not None and (isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1):
-            raise ValueError(f"keep_last_k={keep_last_k!r} must be at least 1 (or None to keep every checkpoint).")
+        check_keep_last_k(keep_last_k)
         self._async_checkpoint, self._keep_last_k = async_checkpoint, keep_last_k
         self._checkpointer: Optional[ShardedCheckpointer] = None
         self._health_check = health_check

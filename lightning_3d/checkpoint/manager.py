@@ -38,10 +38,15 @@ from lightning_3d.checkpoint.sharded import (
 from lightning_3d.topology import Topology
 
 
+def check_keep_last_k(keep_last_k: Any) -> None:
+    """``None`` (keep every checkpoint) or a positive integer; checked where the strategy is built."""
+    if keep_last_k is not None and (isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1):
+        raise ValueError(f"keep_last_k={keep_last_k!r} must be at least 1 (or None to keep every checkpoint).")
+
+
 class ShardedCheckpointer:
     def __init__(self, topology: Topology, tracker: Any = None, async_save: bool = False, keep_last_k: Optional[int] = None) -> None:
-        if keep_last_k is not None and keep_last_k < 1:
-            raise ValueError(f"keep_last_k={keep_last_k} must be at least 1 (or None to keep every checkpoint).")
+        check_keep_last_k(keep_last_k)
         self.topology, self.tracker = topology, tracker
         self.async_save, self.keep_last_k = async_save, keep_last_k
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if async_save else None

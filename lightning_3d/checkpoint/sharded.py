@@ -256,17 +256,15 @@ def latest_complete(path: Path, fallback: bool = True) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist.{_beside(path)}")
     known = {r for r in runs if r is not None}
     staged = [c for c in path.parent.iterdir() if c.name.startswith(f"{path.name}.tmp-") and (c / MANIFEST).is_file()]
-    candidates = [
-        c for c in [p for p, _ in complete_checkpoints(path.parent)] + staged  # staged: crashed between its two renames
-        if known and _manifest_or_none(c).get("run_id") in known
-    ]
+    manifests = {c: _manifest_or_none(c) for c in [p for p, _ in complete_checkpoints(path.parent)] + staged}  # staged: crashed between its renames
+    candidates = [c for c, manifest in manifests.items() if manifest.get("run_id") in known]
     if not candidates:
         raise CheckpointError(
             f"checkpoint {path} does not exist: its save was interrupted, and no complete checkpoint of the same run "
             f"is beside it.{_beside(path)} Pass one of them explicitly as ckpt_path."
         )
     # the newest *written*, not the highest step: a run rolled back to an earlier step continues from there
-    best = max(candidates, key=lambda c: (_manifest_or_none(c).get("created", 0.0), c.stat().st_mtime))
+    best = max(candidates, key=lambda c: (manifests[c].get("created", 0.0), c.stat().st_mtime))
     if not fallback:
         raise CheckpointError(
             f"checkpoint {path} does not exist: its save was interrupted. The newest complete checkpoint of the same "
