@@ -58,6 +58,7 @@ from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, ela
 from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSubprocessScriptLauncher
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.loss_normalization import normalize_over_data_parallel
+from lightning_3d import strict_comm
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.pipeline.sequences import find_sequences
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
@@ -297,6 +298,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         if store is not None and not _distributed_is_initialized():
             kwargs["store"] = store
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        strict_comm.enable_from_env()  # LIGHTNING_3D_STRICT_COMM=1: fail on CPU where NCCL would
         self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
         self._rng_tracker = RNGStatesTracker(self.root_device.type)
         base_seed = agree_on_random_state(self._topology, self.root_device)

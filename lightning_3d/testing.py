@@ -57,6 +57,7 @@ def _rank_main(
     kwargs: dict,
     init_process_group: bool,
     timeout: float,
+    strict: bool,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -81,7 +82,14 @@ def _rank_main(
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout),
             )
-        value = fn(*args, **kwargs)
+        if strict and init_process_group:
+            from lightning_3d.strict_comm import strict_comm
+
+            # report a P2P deadlock by its items well before the world's deadline kills the ranks
+            with strict_comm(deadlock_after=max(5.0, 0.6 * timeout)):
+                value = fn(*args, **kwargs)
+        else:
+            value = fn(*args, **kwargs)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, False, traceback.format_exc()))
@@ -108,23 +116,30 @@ def run_on_ranks(
     timeout: float = 120.0,
     init_process_group: bool = True,
     nodes: int = 1,
+    strict: Optional[bool] = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
 
     ``nodes`` simulates a multi-node layout (``NODE_RANK``/``LOCAL_RANK`` set accordingly).
+    ``strict``: run ``fn`` under NCCL's rules (:mod:`lightning_3d.strict_comm`); default: on when
+    ``LIGHTNING_3D_STRICT_COMM=1`` (the test suite sets it; benchmarks leave it off).
     Raises :class:`RankError` with the failing rank's traceback, the dead rank's exit code, or the
     ranks still running at the deadline.
     """
     if world_size < 1 or world_size % nodes:
         raise ValueError(f"world_size={world_size} must be a positive multiple of nodes={nodes}.")
+    if strict is None:
+        from lightning_3d.strict_comm import enabled_by_env
+
+        strict = enabled_by_env()
     ctx = _mp_context()
     port = free_port()
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, world_size // nodes, port, results, args, kwargs, init_process_group, timeout),
+            args=(fn, rank, world_size, world_size // nodes, port, results, args, kwargs, init_process_group, timeout, strict),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
