@@ -54,12 +54,17 @@ def _is_dp_sharded(t: Tensor) -> bool:
     return hasattr(t, "to_local")
 
 
-def global_grad_norm(parameters: Iterable[Tensor], topology: Optional[Topology], norm_type: float = 2.0) -> Tensor:
-    """Norm of all gradients of the model, counting every parameter once (collective over dp, tp, pp)."""
+def global_grad_norm(
+    parameters: Iterable[Tensor], topology: Optional[Topology], norm_type: float = 2.0, device: Optional[torch.device] = None
+) -> Tensor:
+    """Norm of all gradients of the model, counting every parameter once (collective over dp, tp, pp).
+    ``device``: the compute device, where the partial sums are reduced (NCCL refuses host tensors, and
+    gradients may live on the host: ZeRO-3's CPU offload); default: the first gradient's device."""
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"gradient_clip norm_type={norm_type} is not supported; use 2 or inf.")
     unique = list({id(p): p for p in parameters if p.grad is not None}.values())
-    device = _local(unique[0].grad).device if unique else torch.device("cpu")
+    if device is None:
+        device = _local(unique[0].grad).device if unique else torch.device("cpu")
     tp_rank = topology.tp_rank if topology is not None else 0
     dp_sharded = torch.zeros((), device=device)
     replicated = torch.zeros((), device=device)
@@ -70,7 +75,7 @@ def global_grad_norm(parameters: Iterable[Tensor], topology: Optional[Topology],
         if getattr(p, "pipeline_duplicate", False):
             continue  # a tied weight's copy on the last pipeline stage: counted on the first
         g = _local(p.grad).detach().float()
-        value = g.abs().max() if norm_type == float("inf") else g.pow(2).sum()
+        value = (g.abs().max() if norm_type == float("inf") else g.pow(2).sum()).to(device)
         if _is_dp_sharded(p.grad):
             dp_sharded = torch.maximum(dp_sharded, value) if norm_type == float("inf") else dp_sharded + value
         else:
@@ -385,7 +390,7 @@ class ThreeDPrecision(Precision):
             optimizer.scale_grads_((clip_val / (norm + 1e-6)).clamp(max=1.0))
             return
         params = _params(optimizer)
-        norm = global_grad_norm(params, self.topology)
+        norm = global_grad_norm(params, self.topology, device=self._device())
         self._clip_norm[id(_raw(optimizer))] = norm
         scale = (clip_val / (norm + 1e-6)).clamp(max=1.0)
         for p in {id(p): p for p in params if p.grad is not None}.values():

@@ -373,7 +373,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
             self._pending_master = None
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _optimizers_to_device(self.optimizers, self._optimizer_state_device())
 
     def _synchronize_replicas(self) -> None:
         """Every copy of one weight starts equal, whatever the user seeded on each rank: tensors that
@@ -548,7 +548,16 @@ class ThreeDParallelStrategy(ParallelStrategy):
                 optimizer.load_state_dict(state)
             else:
                 load_sharded_optimizer_state(optimizer, state)
-                _optimizer_to_device(optimizer, self.root_device)
+                _optimizer_to_device(optimizer, self._optimizer_state_device())
+
+    def _optimizer_state_device(self) -> torch.device:
+        """Where a plain optimizer's state lives: with its parameters. Under ZeRO-3's CPU offload FSDP2
+        keeps the sharded parameters, and runs the step, on the host: state moved to the GPU would
+        meet host parameters in the step."""
+        zero = self._zero
+        if zero is not None and zero.stage == 3 and "cpu" in (zero.offload_optimizer, zero.offload_params):
+            return torch.device("cpu")
+        return self.root_device
 
     @property
     def checkpointer(self) -> ShardedCheckpointer:

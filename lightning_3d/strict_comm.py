@@ -99,6 +99,9 @@ def _tag(out: Any, site: str) -> None:
             setattr(out, _ATTR, site)
         except Exception:  # noqa: BLE001 - a tensor type without a __dict__
             pass
+        local = getattr(out, "_local_tensor", None)  # a DTensor: to_local() hands out a view of this
+        if local is not None:
+            _tag(local, site)
     elif isinstance(out, (tuple, list)):
         for o in out:
             _tag(o, site)
@@ -205,7 +208,7 @@ def check_device(fn: str, tensors: Any) -> None:
         site = host_site(t)
         if site is not None:
             raise StrictCommError(
-                f"strict communication: torch.distributed.{fn} got a host tensor made at {site}; NCCL accepts "
+                f"strict communication: torch.distributed.{fn} got a host tensor ({site}); NCCL accepts "
                 f"only tensors on the compute device. Create it with device=<the compute device> (the "
                 f"strategy's root_device, or the device of the tensors it goes with), or move it there first."
             )

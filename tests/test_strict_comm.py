@@ -111,7 +111,7 @@ def test_gloo_alone_accepts_host_tensors(rule_a: list[dict[str, Any]]) -> None:
 def test_host_tensor_refused_with_its_call_site(rule_a: list[dict[str, Any]], check: str, site: str) -> None:
     for rank in rule_a:
         message = result_of(rank, check)
-        assert "NCCL accepts only tensors on the compute device" in message, message
+        assert "got a host tensor" in message and "NCCL accepts only tensors on the compute device" in message, message
         assert site in message, message
 
 
@@ -210,3 +210,68 @@ def test_rendezvous_turns_an_ordering_deadlock_into_an_error() -> None:
             message = result[how]
             assert "waited 3 s" in message and "in posting order" in message, message
             assert f"send to rank {1 - rank}" in message, message
+
+
+# -- what rule a found in the library ----------------------------------------------------------------------------
+def _zero3_offload_norm() -> dict[str, Any]:
+    from torch import nn
+
+    from lightning_3d.precision import _local, global_grad_norm
+    from lightning_3d.topology import ParallelDims, Topology
+    from lightning_3d.zero.fsdp import apply_zero3
+
+    topology = Topology.build(ParallelDims(dp=2), device_type="cpu")
+    with sc.strict_comm():
+        model = nn.Module()
+        model.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        apply_zero3(model, topology.mesh["dp"], cpu_offload=True)
+        model.body(torch.randn(4, 8)).sum().backward()
+        grads = [_local(p.grad) for p in model.parameters()]
+        return {
+            "grad is host memory": _expect_refusal(dist.all_reduce, grads[0].pow(2).sum()),
+            "norm": float(global_grad_norm(list(model.parameters()), topology, device=torch.device("cpu"))),
+            "dense norm": float(torch.cat([g.reshape(-1) for g in grads]).pow(2).sum()),
+        }
+
+
+def test_zero3_cpu_offload_norm_is_reduced_on_the_compute_device() -> None:
+    """FSDP2's offloaded gradients are host memory on a GPU machine: the clipping norm's partial sums
+    must move to the compute device before they are all-reduced (before the fix they stayed with the
+    gradients, and strict mode refused the all-reduce)."""
+    ranks = run_on_ranks(_zero3_offload_norm, 2, timeout=120, strict=False)
+    for r in ranks:
+        assert "ZeRO-3 CPU offload" in r["grad is host memory"], r
+    total = sum(r["dense norm"] for r in ranks) ** 0.5  # each rank holds half of every parameter
+    assert ranks[0]["norm"] == pytest.approx(total, rel=1e-5) and ranks[1]["norm"] == pytest.approx(total, rel=1e-5)
+
+
+def test_zero3_cpu_offload_keeps_optimizer_state_with_its_host_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_3d import ThreeDParallelStrategy
+
+    monkeypatch.setattr(ThreeDParallelStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    strategy = ThreeDParallelStrategy(zero_stage=3, offload_optimizer="cpu")
+    strategy._zero = type("Zero", (), {"stage": 3, "offload_optimizer": "cpu", "offload_params": "none"})()
+    assert strategy._optimizer_state_device() == torch.device("cpu")
+    strategy._zero.stage = 2  # ZeRO 1/2 offload: the ZeroOptimizer keeps its own state; plain optimizers follow the device
+    assert strategy._optimizer_state_device() == torch.device("cuda", 0)
+
+
+def test_offloaded_masters_wait_for_their_uploads_before_the_host_writes_them() -> None:
+    """The masters' asynchronous copies to the GPU (pinned memory) must be done before the next step or a
+    checkpoint load writes those masters on the host."""
+    from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
+
+    events: list[str] = []
+
+    class Upload:
+        def synchronize(self) -> None:
+            events.append("synchronized")
+
+    opt = ZeroOptimizer.__new__(ZeroOptimizer)
+    opt._uploads = Upload()
+    opt.buckets = []
+    opt.store = None
+    opt.load_dense_master({})
+    assert events == ["synchronized"] and opt._uploads is None
+    opt._await_uploads()
+    assert events == ["synchronized"]  # once per upload

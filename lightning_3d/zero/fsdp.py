@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_3d.strict_comm import mark_host
 from lightning_3d.tensor_parallel.spec import get_spec, set_spec
 
 
@@ -61,6 +62,7 @@ def apply_zero3(
         if id(unit) in top_level:
             top.append(sharded)
     root._tensor_parallel_specs = specs  # type: ignore[assignment]
+    root._zero3_cpu_offload = cpu_offload  # type: ignore[assignment]
     restore_specs(root)
     return top
 
@@ -68,11 +70,15 @@ def apply_zero3(
 def restore_specs(root: nn.Module) -> None:
     """Put the tensor-parallel specs back on FSDP2's parameters. FSDP2 swaps the Parameter objects
     when sharding and again when the module is moved (Lightning's teardown calls ``.cpu()``); a
-    parameter without its spec would be saved as if every tp rank held the whole tensor."""
+    parameter without its spec would be saved as if every tp rank held the whole tensor. Under CPU
+    offload the new parameters are marked as host memory for strict mode."""
     specs = getattr(root, "_tensor_parallel_specs", {})
+    offloaded = getattr(root, "_zero3_cpu_offload", False)
     for name, p in root.named_parameters(remove_duplicate=False):
         if specs.get(name) is not None and get_spec(p) is None:
             set_spec(p, specs[name])
+        if offloaded:  # strict mode: these shards (and their gradients) are host memory on a GPU machine
+            mark_host(p, f"ZeRO-3 CPU offload: the shard of {name} (and its gradient) lives on the host")
 
 
 @contextmanager

@@ -266,6 +266,7 @@ class ZeroOptimizer:
         self.grads = ShardedGradients(self.buckets, dp_group, stage, grad_device=self.host)
         self.inner = None if self.store is not None else self._inner_optimizer()
         self.state = self.optimizer.state  # Lightning moves/inspects this; ours lives in self.inner
+        self._uploads: Optional[Any] = None  # CUDA event after the last step's master -> parameter copies
 
     # -- construction ------------------------------------------------------------------------
     @property
@@ -404,6 +405,7 @@ class ZeroOptimizer:
 
     def _step_in_memory(self, used: list[list[bool]]) -> list[_Bucket]:
         assert self.inner is not None
+        self._await_uploads()
         self._sync_hyperparameters(self.inner)
         stepped = []
         for b_idx, bucket, grad in self._indexed_grad_slices():
@@ -421,7 +423,17 @@ class ZeroOptimizer:
             mine = bucket.slice_of(bucket.param_buf)
             if mine.data_ptr() != bucket.master.data_ptr():
                 mine.copy_(bucket.master, non_blocking=True)
+                if mine.is_cuda and not bucket.master.is_cuda:
+                    self._uploads = torch.cuda.Event()
+                    self._uploads.record()
         return stepped
+
+    def _await_uploads(self) -> None:
+        """Before the host writes offloaded masters again: the asynchronous host-to-device copies of the
+        last step must have read them (pinned memory is copied by the GPU after the call returned)."""
+        if self._uploads is not None:
+            self._uploads.synchronize()
+            self._uploads = None
 
     def _indexed_grad_slices(self) -> Iterator[tuple[int, _Bucket, Tensor]]:
         for b_idx, bucket in enumerate(self.buckets):
@@ -669,6 +681,7 @@ class ZeroOptimizer:
 
     def load_dense_master(self, dense: dict[int, Tensor]) -> None:
         """Set master slices (and parameters) from dense weights keyed by id(param)."""
+        self._await_uploads()
         for slot, bucket in enumerate(self.buckets):
             if not all(id(p) in dense for p in bucket.params):
                 continue
