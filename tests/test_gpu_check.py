@@ -1,0 +1,112 @@
+"""benchmarks/gpu_check.py keeps working without a GPU: its CPU dry run trains every case, the losses
+agree, and what it prints is well-formed JSON; its verdict fails a run that failed or disagreed.
+
+The dry run's cases share one process here (``--in-process``: starting Lightning costs ~5 s a
+process on 2 cores); one more run goes through the per-case child processes the GPU mode uses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _module() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _module()
+
+
+def _run(*flags: str, timeout: float = 120) -> tuple[int, list[dict[str, Any]], str]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-dry-run", *flags],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]  # strict: every {-line parses
+    return proc.returncode, lines, proc.stdout + "\n--- stderr ---\n" + proc.stderr[-3000:]
+
+
+def _case(**fields: Any) -> dict[str, Any]:
+    return {"ok": True, "losses": [6.0, 5.5, 5.0], **fields}
+
+
+def test_cpu_dry_run_trains_every_case_and_losses_agree() -> None:
+    rc, lines, output = _run("--in-process")
+    assert rc == 0, output
+    *cases, verdict = lines
+    assert [c["case"] for c in cases] == [c.name for c in gpu_check.CASES], output
+    for c in cases:
+        assert c["ok"], (c["case"], c.get("error"), output)
+        assert c["backend"] == "gloo" and c["device"] == "cpu"
+        assert len(c["losses"]) == 3 and len(c["step_seconds"]) == 3
+        assert c["step_s"] > 0 and c["tokens_per_s"] > 0 and 0 < c["mfu"]
+        assert c["peak_gpu_gib"] is None and c["peak_host_rss_gib"] > 0  # no GPU: null, RSS instead
+        predicted = c["predicted"]
+        assert predicted["profile"] == "local_cpu" and predicted["fits"]
+        assert predicted["step_s"] > 0 and predicted["allocated_gib"] >= 0
+    by_name = {c["case"]: c for c in cases}
+    assert by_name["zero3_offload_cpu"]["strategy"] == {"zero_stage": 3, "offload_params": "cpu"}
+    assert by_name["zero1_offload_nvme"]["strategy"] == {"zero_stage": 1, "offload_optimizer": "nvme"}
+    assert by_name["zero1_recompute_selective"]["strategy"] == {"zero_stage": 1, "activation_checkpointing": "selective"}
+    assert verdict["case"] == "gpu_check" and verdict["passed"], output
+    assert verdict["cases"] == len(gpu_check.CASES) and not verdict["failed"] and not verdict["disagree"]
+    assert all(d is not None and d <= verdict["rtol"] for d in verdict["max_rel_diff"].values())
+    assert verdict["reference_relative_drop"] > verdict["reference_drop_needed"]
+    assert verdict["predictions_missing"] == []
+    assert "GPU GiB" in output  # the measured-vs-predicted table
+
+
+def test_gpu_mode_path_runs_each_case_in_its_own_process() -> None:
+    rc, lines, output = _run("--cases", "zero0")
+    assert rc == 0, output
+    case, verdict = lines
+    assert case["case"] == "zero0" and case["ok"] and verdict["passed"], output
+
+
+def test_verdict_fails_a_case_that_failed_or_disagrees() -> None:
+    rtol = gpu_check.RTOL
+    good = [_case(case="zero0"), _case(case="zero1", losses=[6.0, 5.51, 5.01])]
+    assert gpu_check.compare(good, rtol)["passed"]
+
+    off = [*good, _case(case="zero2", losses=[6.0, 5.5, 5.5])]  # e.g. a skipped step
+    verdict = gpu_check.compare(off, rtol)
+    assert not verdict["passed"] and verdict["disagree"] == ["zero2"]
+    assert verdict["max_rel_diff"]["zero2"] == pytest.approx(0.1)
+
+    crashed = [*good, {"case": "zero3", "ok": False, "error": "OutOfMemoryError: CUDA out of memory"}]
+    verdict = gpu_check.compare(crashed, rtol)
+    assert not verdict["passed"] and verdict["failed"] == ["zero3"] and verdict["max_rel_diff"]["zero3"] is None
+    assert "NO" in gpu_check.table(crashed)  # a failed row prints without its measurements
+
+    flat = [_case(case="zero0", losses=[6.0, 5.99, 5.98]), _case(case="zero1", losses=[6.0, 5.99, 5.98])]
+    verdict = gpu_check.compare(flat, rtol)  # agreement proves nothing if the loss did not move
+    assert not verdict["passed"] and not verdict["reference_drop_ok"]
+
+    short = [*good, _case(case="zero2", losses=[6.0, 5.5])]
+    verdict = gpu_check.compare(short, rtol)
+    assert not verdict["passed"] and verdict["disagree"] == ["zero2"] and verdict["max_rel_diff"]["zero2"] is None
+    json.dumps(verdict, allow_nan=False)
+
+    no_reference = [{"case": "zero0", "ok": False, "error": "x"}, _case(case="zero1")]
+    assert not gpu_check.compare(no_reference, rtol)["passed"]
+
+
+def test_a_hanging_case_is_reported_not_waited_for() -> None:
+    args = gpu_check.parse_args(["--cpu-dry-run", "--case-timeout", "0.5"])
+    result = gpu_check.run_in_child(gpu_check.CASES[0], args)
+    assert not result["ok"] and "timed out" in result["error"]
