@@ -17,9 +17,10 @@ from lightning_3d import ParallelConfig, ThreeDParallelStrategy
 from lightning_3d.data import TokenWindows, stdlib_bytes
 from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.pipeline.partition import partition
-from lightning_3d.pipeline.runtime import default_micro_batches
-from lightning_3d.pipeline.schedules import build_schedule, theoretical_bubble
-from lightning_3d.pipeline.simulator import ScheduleDeadlock, simulate, simulate_named
+from lightning_3d.pipeline.runtime import PipelineConfig, default_micro_batches, pipeline_model
+from lightning_3d.pipeline.schedules import Action, Post, Wait, build_plan, build_schedule, communication_plan, is_compute, theoretical_bubble
+from lightning_3d.pipeline.sequences import HeadOutput, LayerSequence
+from lightning_3d.pipeline.simulator import CommDeadlock, PlanError, ScheduleDeadlock, check_plan, check_schedule, simulate, simulate_named
 from lightning_3d.testing import run_on_ranks
 from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_tensor_parallel_training import HFCausalLM
@@ -60,13 +61,218 @@ def test_every_schedule_is_deadlock_free():
 
 
 def test_simulator_detects_a_deadlock():
-    from lightning_3d.pipeline.schedules import Action
-
     schedule = build_schedule("1f1b", 2, 2)
     # rank 0 waits for micro-batch 0's gradient before sending its activation: nobody can move
     schedule[0] = [Action("RECV_GRAD", 0, 0), *[a for a in schedule[0] if a != Action("RECV_GRAD", 0, 0)]]
     with pytest.raises(ScheduleDeadlock, match="deadlocks"):
         simulate(schedule)
+
+
+# -- point to point under NCCL semantics (docs/pipeline.md) ------------------------------------------------------
+GRID = [
+    (name, p, v, m, forward_only)
+    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [1, 2, 3, 4]))
+    for p in range(1, 7)
+    for v in vs
+    for m in range(1, 20)
+    for forward_only in (False, True)
+]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_communication_plans_run_under_nccl_semantics(name):
+    """Every plan the runtime can post for p 1..6, v 1..4, m 1..19 (ragged ones included), training and
+    evaluation, finishes under the strict model with one queue per peer and with one queue per rank,
+    with a shape header on no activation and on every one; receives are waited before the compute
+    that uses them and every item by the end of the step (check_plan raises otherwise)."""
+    cases = [c for c in GRID if c[0] == name]
+    for _, p, v, m, forward_only in cases:
+        plan = communication_plan(build_schedule(name, p, m, v, forward_only))  # (what build_plan returns, unchecked)
+        for fifo in ("peer", "rank"):
+            for headers in ("none", "all"):
+                check_plan(plan, fifo, headers)
+    assert len(cases) == (6 * 4 if name == "interleaved_1f1b" else 6) * 19 * 2
+
+
+@pytest.mark.parametrize(("p", "v", "m", "new"), [(2, 2, 4, {0, 2}), (4, 2, 6, {0, 3}), (3, 1, 5, {0, 4}), (2, 3, 3, {1})])
+def test_headers_in_the_middle_of_a_step(p, v, m, new):
+    """A ragged batch's micro-batches change shape mid-step: headers for some micro-batches only."""
+    for name in ("1f1b", "interleaved_1f1b") if v == 1 else ("interleaved_1f1b",):
+        plan = build_plan(name, p, m, v)
+        for fifo in ("peer", "rank"):
+            check_plan(plan, fifo, new)
+
+
+def old_posting_order(schedule: list[list[Action]]) -> list[list[Any]]:
+    """What the runtime posted before: every send its own batch, left in flight to the end of the step;
+    every receive a blocking dist.recv (an unbatched item, waited at once)."""
+    plans = []
+    for actions in schedule:
+        plan: list[Any] = []
+        sends: list[int] = []
+        posted = 0
+        for action in actions:
+            if is_compute(action):
+                plan.append(action)
+            elif action.kind.startswith("SEND"):
+                plan.append(Post((action,)))
+                sends.append(posted)
+                posted += 1
+            else:
+                plan += [Post((action,), batched=False), Wait((posted,))]
+                posted += 1
+        plans.append(plan + [Wait(tuple(sends))])
+    return plans
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_simulator_finds_the_deadlock_of_the_old_posting_order(m):
+    """1F1B at p=2: rank 0 posts send(act1), then recv(grad0); rank 1 posts send(grad0), then
+    recv(act1). Gloo buffers the sends; under NCCL both sends wait for receives queued behind them."""
+    schedule = build_schedule("1f1b", 2, m)
+    simulate(schedule)  # fine where sends are buffered and matched by tag
+    old = old_posting_order(schedule)
+    for fifo in ("peer", "rank"):
+        with pytest.raises(CommDeadlock, match="deadlocks under NCCL semantics") as err:
+            check_plan(old, fifo)
+        assert "SEND_ACT1 to rank 1" in err.value.stuck[0] and "SEND_GRAD0 to rank 0" in err.value.stuck[1]
+    check_schedule(schedule)  # the plan the runtime posts now
+
+
+def test_simulator_refuses_mismatched_and_unwaited_messages():
+    schedule = build_schedule("1f1b", 2, 2)
+    plan = communication_plan(schedule)
+    swapped = [list(steps) for steps in plan]
+    i = next(k for k, s in enumerate(swapped[1]) if isinstance(s, Post))
+    j = next(k for k, s in enumerate(swapped[1]) if isinstance(s, Post) and k > i)
+    swapped[1][i], swapped[1][j] = swapped[1][j], swapped[1][i]  # rank 1 receives act1 where act0 is sent
+    with pytest.raises(PlanError, match="matches the k-th receive"):
+        check_plan(swapped)
+    unwaited = [[s for s in steps if not isinstance(s, Wait)] for steps in plan]
+    with pytest.raises(PlanError, match="before waiting for its receive"):
+        check_plan(unwaited)
+
+
+@pytest.mark.parametrize(("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 16), (4, 8)])
+def test_posting_keeps_the_theoretical_bubble(name, v, p, m):
+    """Round-matched batches with receives posted ahead cost no pipeline time (compute-bound timing)."""
+    sim = check_schedule(build_schedule(name, p, m, v), forward_time=1.0 / v, backward_time=2.0 / v)
+    assert sim.bubble == pytest.approx(theoretical_bubble(name, p, m, v))
+
+
+# -- large activations on real ranks --------------------------------------------------------------------------
+WIDE = dict(micro_batch=2, seq=1024, hidden=1024)  # 2M fp32 = 8 MiB per micro-batch activation
+
+
+class Elementwise(torch.nn.Module):
+    """A cheap layer on wide activations: tanh(x * (1 + a) + b)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(0.1 * torch.randn(hidden))
+        self.b = torch.nn.Parameter(0.1 * torch.randn(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * (1 + self.a) + self.b)
+
+
+class WideToy(torch.nn.Module):
+    """embed -> blocks -> head, squared error against targets: activations far larger than socket buffers."""
+
+    def __init__(self, layers: int = 8, hidden: int = WIDE["hidden"]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = Elementwise(hidden)
+        self.blocks = torch.nn.ModuleList(Elementwise(hidden) for _ in range(layers))
+        self.head = Elementwise(hidden)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for layer in (self.embed, *self.blocks, self.head):
+            x = layer(x)
+        return ((x - targets) ** 2).mean()
+
+    def pipeline_sequence(self) -> LayerSequence:
+        return LayerSequence(
+            blocks=self.blocks,
+            blocks_name="blocks",
+            embed_modules=("embed",),
+            head_modules=("head",),
+            inputs=lambda args, kwargs: {"x": args[0], "targets": args[1]},
+            embed=lambda batch: self.embed(batch["x"]),
+            block=lambda layer, x, batch: layer(x),
+            head=lambda x, batch: HeadOutput(loss=((self.head(x) - batch["targets"]) ** 2).mean()),
+            target_count=lambda batch: batch["targets"].numel(),
+            output=lambda loss, logits: loss,
+        )
+
+
+def wide_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A step of 4 micro-batches; 6 samples in 4 (the last two micro-batches are smaller: the first two
+    reuse the shape the receivers know, the others send a header mid-step); 3 samples (3 micro-batches:
+    for the interleaved schedule a short last group, its warm-up found by the search)."""
+    g = torch.Generator().manual_seed(1)
+    shape = (WIDE["seq"], WIDE["hidden"])
+    return [(torch.randn(n, *shape, generator=g), torch.randn(n, *shape, generator=g)) for n in (4 * WIDE["micro_batch"], 6, 3)]
+
+
+def wide_steps(model: torch.nn.Module, train: bool = True) -> list[dict[str, Any]]:
+    """Loss and gradients of each batch (only the parameters this rank holds); evaluation: the first batch."""
+    out = []
+    for x, y in wide_batches() if train else wide_batches()[:1]:
+        if not train:
+            model.eval()
+            with torch.no_grad():
+                out.append({"loss": float(model(x, y))})
+            model.train()
+            continue
+        loss = model(x, y)
+        loss.backward()
+        grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}  # (numpy: plain pickles)
+        out.append({"loss": float(loss.detach()), "grads": grads})
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def wide_world(schedules: list[tuple[str, int]]) -> dict[str, Any]:
+    from lightning_3d.topology import ParallelDims, Topology
+
+    topology = Topology.build(ParallelDims(dp=1, tp=1, pp=torch.distributed.get_world_size()))
+    results = {}
+    for name, v in schedules:
+        model = WideToy()
+        config = PipelineConfig(schedule=name, virtual_stages=v, micro_batches=4)
+        pipeline_model(model, model.pipeline_sequence(), topology, config)
+        results[f"{name}_v{v}"] = {"train": wide_steps(model), "eval": wide_steps(model, train=False)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def wide_reference() -> dict[str, Any]:
+    model = WideToy()
+    return {"train": wide_steps(model), "eval": wide_steps(model, train=False)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_activations_on_real_ranks(world, wide_reference):
+    """1F1B and interleaved 1F1B with 8 MiB activations (sends cannot hide in socket buffers), shapes
+    that change mid-step and a ragged micro-batch count (see wide_batches): the same losses and
+    gradients as one process. Under strict mode (NCCL's matching and rendezvous on gloo) this is the
+    no-hang check."""
+    schedules = [("1f1b", 1), ("interleaved_1f1b", 2)]
+    ranks = run_on_ranks(wide_world, world, schedules, timeout=240)
+    for name, v in schedules:
+        key = f"{name}_v{v}"
+        seen: set[str] = set()
+        for r in ranks:  # the loss is visible on every rank; each rank holds some of the gradients
+            run = r[key]
+            for step, ref in zip(run["train"], wide_reference["train"]):
+                assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5), key
+                for n, g in step["grads"].items():
+                    np.testing.assert_allclose(g, ref["grads"][n], rtol=1e-4, atol=1e-8, err_msg=f"{key} {n}")
+                    seen.add(n)
+            assert [s["loss"] for s in run["eval"]] == pytest.approx([s["loss"] for s in wide_reference["eval"]], rel=1e-5)
+        assert seen == set(wide_reference["train"][0]["grads"]), key  # every parameter lives on some stage
 
 
 def test_each_micro_batch_runs_forward_and_backward_once_per_chunk():

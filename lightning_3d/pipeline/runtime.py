@@ -8,13 +8,17 @@ rank). Lightning then zeroes gradients and calls ``loss.backward()``: the schedu
 were set aside, and that backward hands them to the parameters through autograd, so gradient
 hooks (data-parallel/ZeRO reduction, sequence-parallel sums) run exactly once, and Lightning's
 loss normalization and fp16 scale apply as usual. Evaluation runs forward-only.
+
+Point-to-point traffic follows the schedule's communication plan (``schedules.communication_plan``):
+``batch_isend_irecv`` batches matched round by round on both ends, checked under NCCL semantics
+before the first message (docs/pipeline.md, "NCCL semantics"); no tags.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -23,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_3d.loss_normalization import data_parallel_factor
 from lightning_3d.pipeline.partition import Method, describe, partition
-from lightning_3d.pipeline.schedules import Action, build_schedule, peer_of
+from lightning_3d.pipeline.schedules import Action, Post, Step, Wait, build_plan, headers_of, message_of, peer_of
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.tensor_parallel.plans import shared_parameters
 from lightning_3d.tensor_parallel.random import PIPELINE_STAGE_RNG, RNGStatesTracker
@@ -116,8 +120,9 @@ class PipelineRuntime:
         self.tied_groups: list[list[str]] = []  # dense-model names of weights tied across first and last stage
         self._prune()
         self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
-        self._schedules: dict[tuple[int, bool], list[Action]] = {}
+        self._plans: dict[tuple[int, bool], list[Step]] = {}
         self._described: dict[tuple[tuple, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._group_ready = False
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -194,13 +199,12 @@ class PipelineRuntime:
             m = default_micro_batches(size, self.p, self.config.schedule)
         return m
 
-    def _schedule(self, m: int, train: bool) -> list[Action]:
+    def _plan(self, m: int, train: bool) -> list[Step]:
+        """This rank's communication plan (built and checked once per micro-batch count)."""
         key = (m, train)
-        if key not in self._schedules:
-            self._schedules[key] = build_schedule(
-                self.config.schedule, self.p, m, self.config.virtual_stages, forward_only=not train
-            )[self.rank]
-        return self._schedules[key]
+        if key not in self._plans:
+            self._plans[key] = build_plan(self.config.schedule, self.p, m, self.config.virtual_stages, forward_only=not train)[self.rank]
+        return self._plans[key]
 
     def _weights(self, micro: list[Inputs], train: bool) -> list[float]:
         """Each micro-batch's share of the batch loss: its count of (unmasked) targets over the batch's.
@@ -280,59 +284,59 @@ class PipelineRuntime:
         return self.sequence.head(x, batch) if piece == self.pieces - 1 else x
 
     def _run(self, micro: list[Inputs], train: bool) -> Any:
+        if not self._group_ready:
+            # NCCL: when batch_isend_irecv is the first operation on a group, every rank of the group must
+            # take part in that very call; ours pair neighbours. One collective first sets the group up.
+            dist.all_reduce(torch.zeros(1, device=self._device()), group=self.topology.pp_group)
+            self._group_ready = True
         m = len(micro)
         weights = self._weights(micro, train) if _has_targets(micro[0]) else [0.0] * m
-        signatures = [_signature(mb, train) for mb in micro]
+        wire = _Wire(self, [_signature(mb, train) for mb in micro])
         stats = StepStats(micro_batches=m)
         start = time.perf_counter()
-        inbox: dict[tuple[int, int], Tensor] = {}
-        outbox: dict[tuple[int, int], Tensor] = {}
-        grads_in: dict[tuple[int, int], Tensor] = {}
-        grads_out: dict[tuple[int, int], Tensor] = {}
         stored: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
-        sends: list[Any] = []
         losses: list[Tensor] = []
         heads: list[HeadOutput] = []
         scale = self.loss_scale() if train else 1.0
-        for action in self._schedule(m, train):
-            key = (action.micro, action.chunk)
-            piece = action.piece(self.p, self.rank)
-            if action.kind == "RECV_ACT":
-                inbox[key] = self._recv_activation(action, signatures[action.micro], requires_grad=train)
-            elif action.kind == "SEND_ACT":
-                sends += self._send(action, outbox.pop(key).detach(), signature=signatures[action.micro])
-            elif action.kind == "RECV_GRAD":
-                grads_in[key] = self._recv_like(action, stored[key][1])
-            elif action.kind == "SEND_GRAD":
-                sends += self._send(action, grads_out.pop(key))
-            elif action.kind == "F":
+        for step in self._plan(m, train):
+            if isinstance(step, Post):
+                wire.post(step, stored)
+            elif isinstance(step, Wait):
+                wire.wait(step.items)
+            elif step.kind == "F":
                 t0 = time.perf_counter()
-                x = inbox.pop(key, None)
-                out = self._piece_forward(piece, x, micro[action.micro])
+                key = (step.micro, step.chunk)
+                piece = step.piece(self.p, self.rank)
+                x = wire.received.pop(("RECV_ACT", *key), None)
+                if x is not None:
+                    x.requires_grad_(train)
+                out = self._piece_forward(piece, x, micro[step.micro])
                 if piece == self.pieces - 1:
                     if out.loss is not None:
-                        losses.append(_weighted(out.loss.detach().float(), weights[action.micro]))
+                        losses.append(_weighted(out.loss.detach().float(), weights[step.micro]))
                     heads.append(out)
                     if train:
-                        stored[key] = (x, _weighted(out.loss, weights[action.micro]))
+                        stored[key] = (x, _weighted(out.loss, weights[step.micro]))
                 else:
-                    outbox[key] = out
+                    wire.outgoing[("SEND_ACT", *key)] = out.detach()
                     if train:
                         stored[key] = (x, out)
                 stats.max_in_flight = max(stats.max_in_flight, len(stored))
                 stats.busy_s += time.perf_counter() - t0
-            else:  # "B"
+            elif step.kind == "B":
                 t0 = time.perf_counter()
+                key = (step.micro, step.chunk)
                 x, out = stored.pop(key)
-                if piece == self.pieces - 1:
+                if step.piece(self.p, self.rank) == self.pieces - 1:
                     torch.autograd.backward(out * scale)
                 else:
-                    torch.autograd.backward(out, grads_in.pop(key))
+                    torch.autograd.backward(out, wire.received.pop(("RECV_GRAD", *key)))
                 if x is not None:
-                    grads_out[key] = x.grad
+                    wire.outgoing[("SEND_GRAD", *key)] = x.grad
                 stats.busy_s += time.perf_counter() - t0
-        for work in sends:
-            work.wait()
+            else:
+                wire.hand_over(step)
+        assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
         stats.wall_s = time.perf_counter() - start
         self.last_step = stats
         self.history.append(stats)
@@ -343,54 +347,19 @@ class PipelineRuntime:
         return torch.cat([h.logits for h in heads], dim=0) if heads and heads[0].logits is not None else None
 
     # -- point to point ----------------------------------------------------------------------------
-    def _route(self, action: Action) -> tuple[int, int]:
-        """(peer's global rank, the piece that receives the message) for a communication action."""
-        peer_pp, peer_chunk = peer_of(action, self.p, self.rank)
-        peer = self.topology.dims.rank_of(self.topology.coords._replace(pp=peer_pp))
-        receiver = peer_chunk * self.p + peer_pp if action.kind.startswith("SEND") else action.piece(self.p, self.rank)
-        return peer, receiver
-
-    def _tag(self, action: Action, receiver: int, payload: int) -> int:
-        """Unique per message, so sends and receives match whatever order the ranks post them in."""
-        gradient = int(action.kind.endswith("GRAD"))
-        return ((action.micro * self.pieces + receiver) * 2 + gradient) * 2 + payload
-
-    def _send(self, action: Action, tensor: Tensor, signature: Optional[tuple] = None) -> list[Any]:
-        """Gradients and already-described activations go alone; a new activation shape is described
-        first by a small header. Both ends decide "new" from the micro-batch's input shapes, which
-        every pipeline rank sees, so they agree without a message."""
-        peer, receiver = self._route(action)
-        group = self.topology.pp_group
-        tensor = tensor.contiguous()
-        ops = []
-        if signature is not None and (signature, receiver) not in self._described:
-            self._described[(signature, receiver)] = (tensor.dtype, tuple(tensor.shape))
-            ops.append(dist.P2POp(dist.isend, _header(tensor), peer, group, tag=self._tag(action, receiver, 0)))
-        ops.append(dist.P2POp(dist.isend, tensor, peer, group, tag=self._tag(action, receiver, 1)))
-        return dist.batch_isend_irecv(ops)
-
-    def _recv_activation(self, action: Action, signature: tuple, requires_grad: bool) -> Tensor:
-        """Activations may change shape between steps (batch size, sequence length, train/eval)."""
-        peer, receiver = self._route(action)
-        described = self._described.get((signature, receiver))
-        if described is None:
-            header = torch.empty(_HEADER, dtype=torch.int64)
-            dist.recv(header, peer, self.topology.pp_group, tag=self._tag(action, receiver, 0))
-            described = (_DTYPES[int(header[0])], tuple(int(d) for d in header[2 : 2 + int(header[1])]))
-            self._described[(signature, receiver)] = described
-        x = torch.empty(described[1], dtype=described[0], device=self._device())
-        dist.recv(x, peer, self.topology.pp_group, tag=self._tag(action, receiver, 1))
-        return x.requires_grad_(requires_grad)
-
-    def _recv_like(self, action: Action, like: Tensor) -> Tensor:
-        """A gradient has the shape of the activation it belongs to: no header needed."""
-        peer, receiver = self._route(action)
-        g = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        dist.recv(g, peer, self.topology.pp_group, tag=self._tag(action, receiver, 1))
-        return g
+    def _peer(self, action: Action) -> int:
+        """The global rank of the peer a communication action talks to."""
+        peer_pp = peer_of(action, self.p, self.rank)[0]
+        return self.topology.dims.rank_of(self.topology.coords._replace(pp=peer_pp))
 
     def _device(self) -> torch.device:
-        return self.params[0].device if self.params else torch.device("cpu")
+        """The compute device: every tensor handed to torch.distributed is made there (NCCL refuses
+        host tensors)."""
+        if self.params:
+            return self.params[0].device
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            return t.device
+        return torch.device("cpu")
 
     def _last_rank(self) -> int:
         return self.topology.dims.rank_of(self.topology.coords._replace(pp=(self.pieces - 1) % self.p))
@@ -404,10 +373,11 @@ class PipelineRuntime:
         """The last stage's loss or logits, on every pipeline rank (shape sent first)."""
         src = self._last_rank()
         group = self.topology.pp_group
-        header = _header(value) if value is not None else torch.empty(_HEADER, dtype=torch.int64)
+        device = value.device if value is not None else self._device()
+        header = _header(value, device) if value is not None else torch.zeros(_HEADER, dtype=torch.int64, device=device)
         dist.broadcast(header, src, group)
-        dtype, shape = _DTYPES[int(header[0])], [int(d) for d in header[2 : 2 + int(header[1])]]
-        out = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self._device())
+        dtype, shape = _described(header)
+        out = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(out, src, group)
         return out
 
@@ -428,13 +398,108 @@ def _signature(batch: Inputs, train: bool) -> tuple:
     return (shapes, train, torch.is_autocast_enabled())
 
 
-def _header(t: Tensor) -> Tensor:
+def _header(t: Tensor, device: torch.device) -> Tensor:
+    """dtype code, number of dims, the dims: made on ``device`` (it travels through torch.distributed)."""
     if t.dim() > _HEADER - 2:
         raise ValueError(f"pipeline activations may have at most {_HEADER - 2} dimensions, got {t.dim()}.")
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-    header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return header
+    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=device)
+
+
+def _described(header: Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    """A received header's dtype and shape (reading it on the host syncs with the device: once per new shape)."""
+    values = header.tolist()
+    return _DTYPES[values[0]], tuple(values[2 : 2 + values[1]])
+
+
+class _Wire:
+    """One step's point-to-point traffic: posts a plan's batches, keeps their works and buffers until
+    waited, hands received tensors to the computes.
+
+    Activation shapes are described by a header the first time a receiving piece sees the micro-batch's
+    input shapes (which every pipeline rank knows, so both ends agree without a message); headers of a
+    batch go first, in a batch of their own, waited at once on the receiving side (see
+    ``schedules.headers_of``)."""
+
+    def __init__(self, runtime: PipelineRuntime, signatures: list[tuple]) -> None:
+        self.runtime, self.signatures = runtime, signatures
+        self.group = runtime.topology.pp_group
+        self.device = runtime._device()
+        self.outgoing: dict[tuple[str, int, int], Tensor] = {}  # (SEND_*, micro, chunk) -> what the compute produced
+        self.received: dict[tuple[str, int, int], Tensor] = {}  # (RECV_*, micro, chunk) -> buffer
+        self.works: dict[int, tuple[list[Any], list[Tensor]]] = {}  # posted item -> (works, tensors in flight)
+        self.arriving: dict[int, list[tuple[tuple[str, int, int], Tensor]]] = {}  # posted item -> its receives
+        self.posted = 0
+
+    def _key(self, action: Action) -> tuple[tuple, int]:
+        """What decides an activation's shape: the micro-batch's signature and the receiving piece."""
+        return self.signatures[action.micro], message_of(action, self.runtime.p, self.runtime.rank)[2]
+
+    def post(self, step: Post, stored: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]]) -> None:
+        described = self.runtime._described
+        receives, sends = headers_of(step, lambda a: self._key(a) not in described)
+        works: list[Any] = []
+        tensors: list[Tensor] = []
+        if receives or sends:
+            ops, incoming = [], []
+            for a in step.ops:
+                if a in sends:
+                    t = self.outgoing[(a.kind, a.micro, a.chunk)]
+                    header = _header(t, self.device)
+                    described[self._key(a)] = (t.dtype, tuple(t.shape))
+                    ops.append(dist.P2POp(dist.isend, header, self.runtime._peer(a), self.group))
+                    tensors.append(header)
+                elif a in receives:
+                    header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, header, self.runtime._peer(a), self.group))
+                    incoming.append((a, header))
+            header_works = dist.batch_isend_irecv(ops)
+            if incoming:
+                for w in header_works:
+                    w.wait()
+                for a, header in incoming:
+                    described[self._key(a)] = _described(header)
+            else:
+                works += header_works
+        ops, arriving = [], []
+        for a in step.ops:
+            peer = self.runtime._peer(a)
+            if a.kind.startswith("SEND"):
+                t = self.outgoing.pop((a.kind, a.micro, a.chunk)).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, peer, self.group))
+            else:
+                if a.kind == "RECV_ACT":
+                    dtype, shape = described[self._key(a)]
+                else:  # a gradient has the shape of the activation it belongs to
+                    like = stored[(a.micro, a.chunk)][1]
+                    dtype, shape = like.dtype, tuple(like.shape)
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, t, peer, self.group))
+                arriving.append(((a.kind, a.micro, a.chunk), t))
+            tensors.append(t)
+        if not step.batched:
+            (op,) = ops
+            works.append(op.op(op.tensor, op.peer, op.group))
+        else:
+            works += dist.batch_isend_irecv(ops)
+        self.works[self.posted] = (works, tensors)
+        self.arriving[self.posted] = arriving
+        self.posted += 1
+
+    def wait(self, items: tuple[int, ...]) -> None:
+        """Wait for posted items; their receives are then complete and go to the computes."""
+        for i in items:
+            works, _ = self.works.pop(i)  # (the tensors in flight are released with it)
+            for w in works:
+                w.wait()
+            self.received.update(self.arriving.pop(i))
+
+    def hand_over(self, action: Action) -> None:
+        """A message to this very rank (one pipeline rank with virtual stages): no wire."""
+        if action.kind.startswith("SEND"):
+            _, peer_chunk = peer_of(action, self.runtime.p, self.runtime.rank)
+            kind = action.kind.replace("SEND", "RECV")
+            self.received[(kind, action.micro, peer_chunk)] = self.outgoing.pop((action.kind, action.micro, action.chunk))
 
 
 def pipeline_model(model: nn.Module, sequence: LayerSequence, topology: Topology, config: PipelineConfig, **kwargs: Any) -> PipelineRuntime:
