@@ -8,17 +8,48 @@ overrides it for the heartbeats alone) is dead or frozen. Staleness is judged on
 only (no clock skew between nodes). If the store itself is unreachable, the rank hosting it
 (global rank 0) is gone.
 
+Who watches whom: a ring with two watchers per rank. Rank r reads the counters of the next
+``WATCHED`` (2) live ranks after it, (r+1) % N and (r+2) % N, skipping ranks whose key says DONE or
+FAILED (they ended cleanly, or are ending on an error they report themselves). Every live rank is
+therefore watched by its two nearest live predecessors, so
+
+- a dead rank is noticed within the timeout (plus one interval) by a rank next to it, which with
+  tp innermost usually runs on the same host and can SIGKILL it;
+- a watcher that dies together with the rank it watches leaves no gap: any two dead ranks are
+  both watched by a live rank (three or more dead in a row: the first two are named; the job still
+  ends on that verdict);
+- a watched rank that finishes cleanly hands its watcher on to the next live one: the walk over
+  finished ranks happens every interval, so nobody is left unwatched when its neighbours are done.
+
+Cost per interval, per rank: one ``set`` (its own beat), one ``get`` per watched rank (two; a
+``check`` first only until a key exists), one ``check`` of the failure key and one of the key rank 0
+leaves when it ends cleanly: about five requests, 5 N in total, whatever N is. Reading every peer
+instead (the first version) cost about 2 N per rank, 2 N^2 in total: at the default 5 s interval
+~100k requests/s at 512 ranks and ~2M/s at 2,240, enough to overwhelm rank 0's store. Finished ranks are walked over by at most two live ranks each,
+so the total stays O(N) while ranks end. A ring rather than one watcher per node or a tree: it
+needs no knowledge of the host layout, the work is the same on every rank (no hot spot), and
+rebuilding it when ranks finish is a walk, not an election. (Tested with a counting store:
+tests/test_heartbeat_scaling.py.)
+
 The first rank to know what went wrong claims it in one store key (``compare_set``: the first
 writer wins): "rank k raised X" or "ranks [k] stopped responding". Every other rank reads that one
-key instead of judging for itself, so each names the same culprit with one line, and only the rank
-that raised prints a traceback (after it, the others' lines; see ``_excepthook``). A rank known to
-be frozen is SIGKILLed by a peer on its host (its pid is in the store), and the launcher kills
-stopped children at its exit (``launch_guard``), so a frozen process never outlives the job. Rank 0
-hosts the store: when it ends on a failure it waits a moment for the others to read the claim.
-
-Store traffic per rank is O(1) per beat and per failure, except ``check`` and ``diagnose``, which
-read every peer's counter (O(N) per rank); after a collective fails, only one rank runs ``diagnose``
+key each interval instead of judging for itself, so each names the same culprit with one line, and
+only the rank that raised prints a traceback (after it, the others' lines; see ``_excepthook``). A
+rank known to be frozen is SIGKILLed by a peer on its host (its pid is in the store; every rank
+that learns the verdict tries), and the launcher kills stopped children at its exit
+(``launch_guard``), so a frozen process never outlives the job. Rank 0 hosts the store: when it
+ends on a failure it waits a moment for the others to read the claim. After a collective fails,
+only one rank runs ``diagnose`` (which reads every counter twice: once per job, not per interval)
 and the others wait for its verdict.
+
+With NCCL, torch's own watchdog covers what this heartbeat cannot see (``apply_nccl_watchdog_defaults``,
+called by the strategy before the process group exists): a collective that never completes on the
+GPU (a peer never joined it; the CPU side of a rank may keep beating while its stream is stuck) is
+torn down after the collective timeout, a watchdog thread stuck in a CUDA/NCCL call aborts the
+process, and the flight recorder dumps each rank's last collectives for the post-mortem. The
+heartbeat stays on under NCCL too: it covers gloo, a rank that dies or freezes between collectives
+(in the data loader, in Python, in a checkpoint write), a lost store host or launcher, and it names
+the culprit once for the whole job, which torch's watchdog does not.
 """
 
 from __future__ import annotations
@@ -44,6 +75,7 @@ DONE = "done"
 FAILED = "failed"
 ERROR, SILENT = "error", "silent"
 HEARTBEAT_TIMEOUT_ENV = "LIGHTNING_3D_HEARTBEAT_TIMEOUT"
+WATCHED = 2  # each rank reads the counters of the next WATCHED live ranks in the ring
 RESTART = "restart with ckpt_path='last' to resume from the last complete checkpoint."
 _COMMUNICATION_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "Timed out waiting")
 
@@ -142,13 +174,15 @@ class HealthMonitor:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._beats = 0
-        self._seen: dict[int, tuple[int, float]] = {}
+        self._seen: dict[int, tuple[Optional[str], float]] = {}  # watched rank -> (last counter, when it changed)
+        self._present: set[int] = set()  # ranks whose key exists: read without a check first
+        self.watching: tuple[int, ...] = ()  # the ranks this one watched at its last check
         self._records: dict[int, ProcessRecord] = {}
         self._rank0_done = False
         self._ending = threading.Lock()
         self._store_dead = False
         session = _sessions[self.rank] = _sessions.get(self.rank, -1) + 1
-        self._keys = {name: f"lightning_3d/{name}/{session}" for name in ("failure", "diagnosis", "reported", "ended", "done")}
+        self._keys = {name: f"lightning_3d/{name}/{session}" for name in ("failure", "diagnosis", "reported", "ended", "done", "host_done")}
         self.failure: Optional[Failure] = None  # the job's first failure, once this rank knows it
 
     # -- running ------------------------------------------------------------------------------------------
@@ -165,6 +199,11 @@ class HealthMonitor:
         """A clean end: peers must not take this rank's silence for a failure, and the launcher may
         now exit before this rank without taking it along."""
         if self._thread is not None:
+            if self.rank == 0:  # the others need not read rank 0's key to know its store may go away
+                try:
+                    self.store.set(self._keys["host_done"], DONE)
+                except Exception:  # noqa: BLE001
+                    pass
             self.stop_beating(DONE)
             launch_guard.unwatch_launcher()
             self._count_out("done", self.world)  # rank 0 keeps the store up until every rank has stopped beating
@@ -186,6 +225,8 @@ class HealthMonitor:
                 if failure is not None and failure.by != self.rank and failure.kind == SILENT:
                     self._end(failure.line_for(self.rank), failure.ranks)
                     return
+                if not self._rank0_done and self.rank != 0:
+                    self._rank0_done = self.store.check([self._keys["host_done"]])
                 self.check()
             except Exception as err:  # noqa: BLE001 - the store went away with its host
                 if self._stop.is_set() or self._rank0_done:
@@ -205,35 +246,55 @@ class HealthMonitor:
         )
 
     def check(self) -> None:
+        """One interval's look at the ring: the next ``WATCHED`` live ranks after this one (module
+        docstring). A rank whose key is still absent (its monitor has not started) is watched too, and
+        counts as silent once absent for the timeout."""
         now = time.monotonic()
-        keys = [f"{PREFIX}{r}" for r in range(self.world)]
-        present = [r for r, k in enumerate(keys) if self.store.check([k])]
-        for r in present:
-            if r == self.rank:
-                continue
-            value = self.store.get(keys[r])
-            if value in (DONE.encode(), FAILED.encode()):
-                self._rank0_done = self._rank0_done or (r == 0 and value == DONE.encode())
+        watched: list[int] = []
+        silent: list[tuple[int, float]] = []
+        for step in range(1, self.world):
+            r = (self.rank + step) % self.world
+            value = self._read_beat(r)
+            if value in (DONE, FAILED):  # ended cleanly, or reporting its own error: not our business
+                self._rank0_done = self._rank0_done or (r == 0 and value == DONE)
                 self._seen.pop(r, None)
                 continue
-            count = int(value)
-            last_count, since = self._seen.get(r, (-1, now))
-            if count != last_count:
-                self._seen[r] = (count, now)
+            watched.append(r)
+            last, since = self._seen.get(r, ("", now))
+            if value != last:
+                self._seen[r] = (value, now)
             elif now - since > self.timeout:
-                self._peer_silent(r, now - since)
-                return
+                silent.append((r, now - since))
+            if len(watched) == WATCHED:
+                break
+        self.watching = tuple(watched)
+        if silent:
+            self._peers_silent(silent)
 
-    def _peer_silent(self, r: int, silent_s: float) -> None:
-        failure = self.claim(Failure(self.rank, SILENT, (r,), f"rank {r} has not responded for {silent_s:.0f} s"))
+    def _read_beat(self, r: int) -> Optional[str]:
+        """Rank ``r``'s counter, DONE or FAILED; None while its key does not exist (one ``check``, then
+        one ``get`` per read once it does: a ``get`` of a missing key would block)."""
+        key = f"{PREFIX}{r}"
+        if r not in self._present:
+            if not self.store.check([key]):
+                return None
+            self._present.add(r)
+        return self.store.get(key).decode()
+
+    def _peers_silent(self, silent: list[tuple[int, float]]) -> None:
+        ranks = tuple(r for r, _ in silent)
+        silent_s = max(s for _, s in silent)
+        who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {list(ranks)} have"
+        failure = self.claim(Failure(self.rank, SILENT, ranks, f"{who} not responded for {silent_s:.0f} s"))
         if failure.by != self.rank:  # another rank was first: say what it found
             self._end(failure.line_for(self.rank), failure.ranks)
             return
-        note = self._kill_note(self._kill((r,)))
+        note = self._kill_note(self._kill(ranks))
         self._end(
-            f"lightning_3d: rank {r} has not responded for {silent_s:.0f} s (timeout {self.timeout:.0f} s): it died or "
-            f"froze{note}. Ending rank {self.rank} instead of hanging; restart with ckpt_path='last' to resume.",
-            (r,),
+            f"lightning_3d: {who} not responded for {silent_s:.0f} s (timeout {self.timeout:.0f} s): "
+            f"{'it' if len(ranks) == 1 else 'they'} died or froze{note}. Ending rank {self.rank} instead of hanging; "
+            f"restart with ckpt_path='last' to resume.",
+            ranks,
             killed=True,
         )
 
@@ -512,6 +573,74 @@ def elastic_attempt_store(timeout: timedelta) -> Optional[dist.Store]:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout
     )
     return dist.PrefixStore(f"lightning_3d/attempt_{attempt}/", client)
+
+
+# -- torch's NCCL watchdog ------------------------------------------------------------------------------------
+NCCL_FLIGHT_RECORDER_ENTRIES = 2000  # torch's recommended ring size (its own default in recent releases)
+NCCL_DUMP_DIR = "nccl_flight_recorder"  # under the working directory: one file per rank, <dir>/rank_<r>
+# Variables torch reads under two names; one setting, whichever name the user gave it.
+_NCCL_ALIASES = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("NCCL_ASYNC_ERROR_HANDLING",),
+    "TORCH_FR_BUFFER_SIZE": ("TORCH_NCCL_TRACE_BUFFER_SIZE",),
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": ("TORCH_FR_BUFFER_SIZE",),
+    "TORCH_FR_DUMP_TEMP_FILE": ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",),
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": ("TORCH_FR_DUMP_TEMP_FILE",),
+}
+
+
+def _flight_recorder_names() -> tuple[str, str]:
+    """(buffer size, dump file prefix): torch 2.8 renamed them TORCH_FR_*; the old TORCH_NCCL_* names
+    still work in 2.13 but warn that they are deprecated."""
+    from torch.torch_version import TorchVersion, __version__
+
+    if TorchVersion(__version__) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
+def nccl_watchdog_environment(timeout: Optional[timedelta] = None, dump_dir: Optional[str] = None) -> dict[str, str]:
+    """The settings of torch's NCCL watchdog this project wants (names checked against torch 2.13's
+    ProcessGroupNCCL.hpp and FlightRecorder.hpp; torch reads them when a NCCL process group is created):
+
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``: when a collective times out (the strategy's ``timeout``)
+      or fails, the watchdog tears the process down instead of leaving it blocked on the GPU; 3
+      (SkipCleanUp) skips ``ncclCommAbort``, which can itself hang when a peer is gone. (1 also tears
+      down, after aborting the communicators; torchrun's agent sets 1, and a value already set is kept.)
+    - ``TORCH_NCCL_ENABLE_MONITORING=1``, ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: a monitor thread aborts
+      the process when the watchdog thread itself stops beating (stuck in a CUDA or NCCL call) for
+      that long: the collective timeout, between 60 s and torch's default of 480 s.
+    - the flight recorder: a ring of the last ``NCCL_FLIGHT_RECORDER_ENTRIES`` collectives per rank
+      (``TORCH_FR_BUFFER_SIZE``; before torch 2.8 ``TORCH_NCCL_TRACE_BUFFER_SIZE``), dumped on a
+      timeout or error (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, which needs the two above) to
+      ``<dump_dir>/rank_<r>`` (``TORCH_FR_DUMP_TEMP_FILE``; before 2.8
+      ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``): which collective each rank was in, and who never joined.
+    """
+    seconds = timeout.total_seconds() if timeout is not None else 480.0
+    buffer_size, dump_file = _flight_recorder_names()
+    directory = dump_dir if dump_dir is not None else os.path.join(os.getcwd(), NCCL_DUMP_DIR)
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(min(480.0, max(60.0, seconds)))),
+        buffer_size: str(NCCL_FLIGHT_RECORDER_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        dump_file: os.path.join(directory, "rank_"),
+    }
+
+
+def apply_nccl_watchdog_defaults(timeout: Optional[timedelta] = None, dump_dir: Optional[str] = None) -> dict[str, str]:
+    """Set ``nccl_watchdog_environment`` in ``os.environ`` where the user has not set the variable (or
+    its other name); return what was set. Call it before the NCCL process group is created."""
+    applied: dict[str, str] = {}
+    for name, value in nccl_watchdog_environment(timeout, dump_dir).items():
+        if any(n in os.environ for n in (name, *_NCCL_ALIASES.get(name, ()))):
+            continue
+        os.environ[name] = value
+        applied[name] = value
+    dump = next((v for k, v in applied.items() if k.endswith("_TEMP_FILE")), None)
+    if dump is not None:
+        os.makedirs(os.path.dirname(dump), exist_ok=True)
+    return applied
 
 
 _exit_cleanup = {"registered": False, "failed": False}
