@@ -54,7 +54,14 @@ from lightning_3d.checkpoint.consolidated import (
 from lightning_3d.checkpoint.compatibility import check_compatible
 from lightning_3d.checkpoint.manager import ShardedCheckpointer, check_keep_last_k
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
-from lightning_3d.fault import HealthMonitor, destroy_process_group_at_exit, elastic_attempt_store, mark_failed, watch_launcher
+from lightning_3d.fault import (
+    HealthMonitor,
+    apply_nccl_watchdog_defaults,
+    destroy_process_group_at_exit,
+    elastic_attempt_store,
+    mark_failed,
+    watch_launcher,
+)
 from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSubprocessScriptLauncher
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.loss_normalization import normalize_over_data_parallel
@@ -290,6 +297,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
+        if self._process_group_backend == "nccl":
+            apply_nccl_watchdog_defaults(self.config.timeout)  # torch's NCCL watchdog + flight recorder; before the group exists
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self.config.timeout}
         if self.root_device.type != "cpu":

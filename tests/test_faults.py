@@ -38,6 +38,13 @@ class Store:
     def __init__(self) -> None:
         self._store, self.gone, self.ops = dist.HashStore(), False, 0
 
+    def clone(self) -> "Store":
+        """The monitor's private connection is this store too: its requests are counted, and vanish with it."""
+        return self
+
+    def set_timeout(self, timeout: Any) -> None:
+        pass
+
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
 
@@ -135,7 +142,7 @@ def test_after_a_collective_fails_one_rank_diagnoses_and_the_others_wait_for_its
     follower = _monitor(monkeypatch, store, 5, world, interval=0.1, timeout=60.0)
     error, before = RuntimeError("[gloo] Connection reset by peer"), store.ops
     follower.report(error)
-    assert store.ops - before <= 6
+    assert store.ops - before <= 8  # a constant at world=10,000: check, wait for the verdict, read it, count out
     assert "rank 5 ends because rank(s) [8] stopped responding (dead or frozen; noticed by rank 3)" in error.__notes__[0]
 
 
