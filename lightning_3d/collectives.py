@@ -11,6 +11,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 
+def current_compute_device() -> torch.device:
+    """Where a rank that holds no tensors of its own makes the ones it communicates: the current GPU
+    when there is one (NCCL refuses host tensors), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def broadcast_tensors(tensors: Iterable[Tensor], group: dist.ProcessGroup, src: int, device: Optional[torch.device] = None) -> None:
     """Broadcast ``tensors`` in place from global rank ``src``, one flat message per (device, dtype).
     ``device``: where the message travels (the compute device; NCCL refuses host tensors, e.g. CPU-

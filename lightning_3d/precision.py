@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_3d.collectives import current_compute_device
 from lightning_3d.tensor_parallel.spec import get_spec
 from lightning_3d.topology import Topology
 
@@ -64,7 +65,7 @@ def global_grad_norm(
         raise ValueError(f"gradient_clip norm_type={norm_type} is not supported; use 2 or inf.")
     unique = list({id(p): p for p in parameters if p.grad is not None}.values())
     if device is None:
-        device = _local(unique[0].grad).device if unique else torch.device("cpu")
+        device = _local(unique[0].grad).device if unique else current_compute_device()
     tp_rank = topology.tp_rank if topology is not None else 0
     dp_sharded = torch.zeros((), device=device)
     replicated = torch.zeros((), device=device)

@@ -12,9 +12,10 @@ a. **Host tensors.** A tensor that lightning_3d code created without ``device=``
 b. **Tags are dropped.** Point-to-point messages match in posting order per (group, sender,
    receiver), as NCCL matches them. A matched pair whose tags, dtypes or sizes differ is an error
    naming both call sites (gloo would have matched by tag, or silently delivered other bytes).
-c. **Rendezvous.** A send completes only once its receive has started, and every rank's P2P items
-   (one call, or one ``batch_isend_irecv`` batch) to a peer run in posting order: an item waits
-   until the items before it completed. An ordering deadlock then hangs on CPU with tiny tensors,
+c. **Rendezvous.** A send completes only once its receive has started, and a rank's P2P items run
+   in posting order per stream, as NCCL's: a ``batch_isend_irecv`` batch on its group's stream
+   (with the group's collectives, which wait for the batches posted before them), a single
+   send/recv on the stream of its pair of ranks; an item waits until the items before it completed. An ordering deadlock then hangs on CPU with tiny tensors,
    as NCCL hangs with large ones; a wait longer than ``deadlock_after`` seconds raises, naming the
    items each side is stuck on (else the harness kills the world at its deadline).
 
@@ -26,6 +27,7 @@ O(messages) store traffic).
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
@@ -43,6 +45,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 STRICT_ENV = "LIGHTNING_3D_STRICT_COMM"
+_GROUP_STREAM = -1  # the queue of a group's batches and collectives (its communicator's stream)
 _ATTR = "_lightning_3d_host_site"
 _PACKAGE = "lightning_3d"
 _EXEMPT = ("lightning_3d.models", "lightning_3d.strict_comm", "lightning_3d.testing", "lightning_3d.planner")
@@ -53,6 +56,7 @@ _FACTORIES = {
 }  # fmt: skip
 _HOST_MOVES = {"cpu", "pin_memory"}
 _HOST_SOURCES = {torch.from_numpy}
+_CONVERSIONS = {torch.as_tensor, torch.asarray}  # host memory when given Python data and no device
 
 
 class StrictCommError(RuntimeError):
@@ -159,6 +163,13 @@ class _HostTracker(TorchFunctionMode):
                     what = f"torch.{func.__name__} without device=" if device is None else "host memory"
                     _tag(out, f"{site} ({what})")
             return out
+        if func in _CONVERSIONS and not isinstance(args[0] if args else None, Tensor):
+            device = kwargs.get("device")
+            if device is None or _names_host(device):
+                module, site = _caller()
+                if _ours(module):
+                    _tag(out, f"{site} (torch.{func.__name__} without device=)")
+            return out
         if func in _HOST_SOURCES:
             module, site = _caller()
             if _ours(module):
@@ -215,7 +226,7 @@ def check_device(fn: str, tensors: Any) -> None:
 
 
 # -- (b, c) point-to-point in posting order, with rendezvous ---------------------------------------------------
-@dataclass
+@dataclass(eq=False)  # compared by identity: a generated __eq__ would compare tensors
 class _Op:
     send: bool
     tensor: Tensor
@@ -242,7 +253,7 @@ def _wait_quietly(op: _Op) -> None:
     op.transferred.set()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Item:
     ops: list[_Op]
     queues: list[tuple[str, int]]
@@ -312,7 +323,9 @@ class _Engine:
     def _key(self, group: str, src: int, dst: int, seq: int, what: str) -> str:
         return f"lightning_3d/strict/{group}/{src}>{dst}/{seq}/{what}"
 
-    def post(self, ops: list[_Op]) -> _Item:
+    def post(self, ops: list[_Op], batched: bool) -> _Item:
+        """Queue an item: a batch on its group's stream (NCCL runs ``batch_isend_irecv`` on the group's
+        communicator, with its collectives), a single call on the stream of its pair of ranks."""
         with self.lock:
             queues = []
             for op in ops:
@@ -320,8 +333,9 @@ class _Engine:
                 counter = self.sent if op.send else self.received
                 op.seq = counter[(name, op.peer)]
                 counter[(name, op.peer)] += 1
-                if (name, op.peer) not in queues:
-                    queues.append((name, op.peer))
+                queue = (name, _GROUP_STREAM if batched else op.peer)
+                if queue not in queues:
+                    queues.append(queue)
             item = _Item(ops, queues)
             for q in queues:
                 self.queues[q].append(item)
@@ -329,7 +343,15 @@ class _Engine:
             self.lock.notify_all()
         return item
 
-    def wait(self, item: _Item) -> None:
+    def before_collective(self, group: Any, fn: str) -> None:
+        """A collective on ``group`` runs behind the group's batches already posted (one stream)."""
+        queue = (c10d._get_process_group_name(group), _GROUP_STREAM)
+        with self.lock:
+            pending = list(self.queues.get(queue, ()))
+        for item in pending:
+            self.wait(item, f"torch.distributed.{fn} on the same group, which NCCL runs behind it")
+
+    def wait(self, item: _Item, waiter: str = "") -> None:
         deadline = time.monotonic() + self.deadlock_after
         while not item.finished.wait(0.05):
             if time.monotonic() > deadline:
@@ -337,7 +359,7 @@ class _Engine:
                     stuck = [i.describe() for i in self.live if not i.finished.is_set()]
                 raise StrictCommError(
                     f"strict communication: rank {self.rank} waited {self.deadlock_after:.0f} s for "
-                    f"{item.describe()}. Its unfinished point-to-point items, in posting order: {stuck}. Under NCCL "
+                    f"{item.describe()}{' before ' + waiter if waiter else ''}. Its unfinished point-to-point items, in posting order: {stuck}. Under NCCL "
                     f"a send completes only when the peer's matching receive runs, and each rank's items to a "
                     f"peer run in posting order: post matching sends and receives together "
                     f"(batch_isend_irecv) or in an order that cannot deadlock."
@@ -361,6 +383,7 @@ class _Engine:
                         item.error = item.error or f"strict communication engine failed: {err!r}"
                         item.finished.set()
                     self.live.clear()
+                self.stopped = True  # the next post starts a new engine
                 return
             if not progressed:
                 with self.lock:
@@ -450,6 +473,11 @@ class _Engine:
         while self.live and time.monotonic() < deadline:
             time.sleep(0.01)
         self.stopped = True
+        with self.lock:
+            for item in self.live:
+                item.error = item.error or "strict communication ended while this item was in flight"
+                item.finished.set()
+            self.live.clear()
         self.thread.join(timeout=5)
 
 
@@ -475,9 +503,14 @@ _state = _State()
 
 def _collective(name: str) -> Callable:
     original = _ORIGINAL[name]
+    signature = inspect.signature(original)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         check_device(name, [a for a in (*args, *kwargs.values()) if isinstance(a, (Tensor, list, tuple))])
+        engine = _state.engine
+        if engine is not None and engine.live:
+            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+            engine.before_collective(group if group is not None else c10d._get_default_group(), name)
         return original(*args, **kwargs)
 
     wrapper.__name__ = wrapper.__qualname__ = name
@@ -503,7 +536,7 @@ def _p2p_op(send: bool, tensor: Tensor, peer: Optional[int], group: Any, tag: in
 def _engine() -> _Engine:
     """This process's engine, for the current world (a new world gets a new one)."""
     store = c10d._get_default_store()
-    if _state.engine is None or _state.engine.source is not store:
+    if _state.engine is None or _state.engine.source is not store or _state.engine.stopped:
         if _state.engine is not None:
             _state.engine.stop()
         _state.engine = _Engine(store, _state.deadlock_after)
@@ -511,11 +544,11 @@ def _engine() -> _Engine:
 
 
 def isend(tensor: Tensor, dst: Optional[int] = None, group: Any = None, tag: int = 0, group_dst: Optional[int] = None) -> _Work:
-    return _Work(_engine(), _engine().post([_p2p_op(True, tensor, dst, group, tag, group_dst)]))
+    return _Work(_engine(), _engine().post([_p2p_op(True, tensor, dst, group, tag, group_dst)], batched=False))
 
 
 def irecv(tensor: Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0, group_src: Optional[int] = None) -> _Work:
-    return _Work(_engine(), _engine().post([_p2p_op(False, tensor, src, group, tag, group_src)]))
+    return _Work(_engine(), _engine().post([_p2p_op(False, tensor, src, group, tag, group_src)], batched=False))
 
 
 def send(tensor: Tensor, dst: Optional[int] = None, group: Any = None, tag: int = 0, group_dst: Optional[int] = None) -> None:
@@ -536,9 +569,10 @@ def batch_isend_irecv(p2p_op_list: list[Any]) -> list[_Work]:
     for p in p2p_op_list:
         is_send = p.op in (isend, _ORIGINAL["isend"])
         check_device("batch_isend_irecv", p.tensor)
-        ops.append(_Op(is_send, p.tensor, p.peer, p.group, p.tag, site))
+        peer = p.peer if p.peer is not None else dist.get_global_rank(p.group, p.group_peer)
+        ops.append(_Op(is_send, p.tensor, peer, p.group, p.tag, site))
     engine = _engine()
-    item = engine.post(ops)
+    item = engine.post(ops, batched=True)
     return [_Work(engine, item) for _ in ops]
 
 

@@ -21,7 +21,7 @@ from lightning_3d.pipeline.runtime import PipelineConfig, default_micro_batches,
 from lightning_3d.pipeline.schedules import Action, Post, Wait, build_plan, build_schedule, communication_plan, is_compute, theoretical_bubble
 from lightning_3d.pipeline.sequences import HeadOutput, LayerSequence
 from lightning_3d.pipeline.simulator import CommDeadlock, PlanError, ScheduleDeadlock, check_plan, check_schedule, simulate, simulate_named
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing import RankError, run_on_ranks
 from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_tensor_parallel_training import HFCausalLM
 
@@ -568,3 +568,71 @@ def test_pipeline_checkpoints_resume_and_load_without_the_strategy(pp2):
 
 def test_too_few_layers_for_the_stages(pp2):
     assert "need at least 2 layers, but the model has 1" in result_of(pp2[0], "too_deep")
+
+
+class IgnoresInput(torch.nn.Module):
+    """A block whose output does not depend on its input: the stage before it gets no gradient from
+    autograd, but the schedule still owes it one (zeros)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(hidden, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w.expand_as(x) * 1.0
+
+
+class ShapeShifter(torch.nn.Module):
+    """A block whose output dtype changes between calls with the same input shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return (x * self.w).double() if self.calls > 1 else x * self.w
+
+
+def _edge_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, 8, generator=g)
+
+
+def _edge_model(block: torch.nn.Module) -> WideToy:
+    model = WideToy(layers=2, hidden=8)
+    model.blocks[1] = block
+    return model
+
+
+def _edge_world(kind: str) -> Any:
+    from lightning_3d.topology import ParallelDims, Topology
+
+    topology = Topology.build(ParallelDims(dp=1, tp=1, pp=2))
+    model = _edge_model(IgnoresInput(8) if kind == "ignores" else ShapeShifter())
+    if kind == "shifts":
+        model.blocks[0], model.blocks[1] = model.blocks[1], model.blocks[0]  # the changing block sends
+    pipeline_model(model, model.pipeline_sequence(), topology, PipelineConfig(schedule="1f1b", micro_batches=2))
+    x, y = _edge_batch()
+    loss = model(x, y)
+    loss.backward()
+    return {"loss": float(loss), "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def test_a_stage_whose_input_gets_no_gradient_sends_zeros():
+    ranks = run_on_ranks(_edge_world, 2, "ignores", timeout=120)
+    model = _edge_model(IgnoresInput(8))
+    x, y = _edge_batch()
+    loss = model(x, y)
+    loss.backward()
+    assert ranks[0]["loss"] == pytest.approx(float(loss.detach()), rel=1e-6)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            mine = next(r["grads"][n] for r in ranks if n in r["grads"])
+            np.testing.assert_allclose(mine, p.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=n)
+
+
+def test_an_activation_dtype_that_changes_for_the_same_inputs_is_refused():
+    with pytest.raises(RankError, match="an earlier one with the same input shapes was"):
+        run_on_ranks(_edge_world, 2, "shifts", timeout=60)

@@ -275,3 +275,49 @@ def test_offloaded_masters_wait_for_their_uploads_before_the_host_writes_them() 
     assert events == ["synchronized"] and opt._uploads is None
     opt._await_uploads()
     assert events == ["synchronized"]  # once per upload
+
+
+# -- streams: items finishing out of order, batches and collectives on one group ---------------------------------
+def _streams_world() -> dict[str, Any]:
+    import time
+
+    rank, out = dist.get_rank(), {}
+    pair = dist.new_group([0, 1])
+    with sc.strict_comm(deadlock_after=3.0):
+        # rank 0 sends to 1 then to 2; rank 1 receives late, so the second send completes first
+        if rank == 0:
+            works = [dist.isend(torch.full((4,), 1.0), 1), dist.isend(torch.full((4,), 2.0), 2)]
+            for w in works:
+                w.wait()
+        else:
+            if rank == 1:
+                time.sleep(0.5)
+            buf = torch.empty(4)
+            dist.recv(buf, 0)
+            out["received"] = buf.tolist()
+        dist.barrier()
+        # a batch, then a collective on the same group: NCCL runs the collective behind the batch, so a
+        # peer that joins the collective before receiving deadlocks
+        if rank == 0:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4), 1, pair)])
+            try:
+                dist.all_reduce(torch.zeros(1), group=pair)
+                out["collective"] = "no error"
+            except sc.StrictCommError as err:
+                out["collective"] = str(err)
+                with torch._C.DisableTorchFunction():  # let the peer go on: gloo's own all-reduce
+                    sc._ORIGINAL["all_reduce"](torch.zeros(1), group=pair)
+            for w in works:
+                w.wait()
+        elif rank == 1:
+            dist.all_reduce(torch.zeros(1), group=pair)
+            dist.recv(torch.empty(4), 0, group=pair)
+        dist.barrier()
+    return out
+
+
+def test_items_finishing_out_of_order_and_a_collective_behind_a_batch() -> None:
+    ranks = run_on_ranks(_streams_world, 3, timeout=120, strict=False)
+    assert ranks[1]["received"] == [1.0] * 4 and ranks[2]["received"] == [2.0] * 4
+    message = ranks[0]["collective"]
+    assert "before torch.distributed.all_reduce on the same group" in message, message

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.collectives import current_compute_device
 from lightning_3d.loss_normalization import data_parallel_factor
 from lightning_3d.pipeline.partition import Method, describe, partition
 from lightning_3d.pipeline.schedules import Action, Post, Step, Wait, build_plan, headers_of, message_of, peer_of
@@ -331,8 +332,8 @@ class PipelineRuntime:
                     torch.autograd.backward(out * scale)
                 else:
                     torch.autograd.backward(out, wire.received.pop(("RECV_GRAD", *key)))
-                if x is not None:
-                    wire.outgoing[("SEND_GRAD", *key)] = x.grad
+                if x is not None:  # a piece that did not use its input still owes its peer a gradient
+                    wire.outgoing[("SEND_GRAD", *key)] = x.grad if x.grad is not None else torch.zeros_like(x)
                 stats.busy_s += time.perf_counter() - t0
             else:
                 wire.hand_over(step)
@@ -359,7 +360,7 @@ class PipelineRuntime:
             return self.params[0].device
         for t in (*self.model.parameters(), *self.model.buffers()):
             return t.device
-        return torch.device("cpu")
+        return current_compute_device()
 
     def _last_rank(self) -> int:
         return self.topology.dims.rank_of(self.topology.coords._replace(pp=(self.pieces - 1) % self.p))
@@ -466,6 +467,14 @@ class _Wire:
             peer = self.runtime._peer(a)
             if a.kind.startswith("SEND"):
                 t = self.outgoing.pop((a.kind, a.micro, a.chunk)).contiguous()
+                if a.kind == "SEND_ACT" and described[self._key(a)] != (t.dtype, tuple(t.shape)):
+                    raise RuntimeError(
+                        f"pipeline stage {self.runtime.rank}: micro-batch {a.micro}'s activation is "
+                        f"{t.dtype}{list(t.shape)}, but an earlier one with the same input shapes was "
+                        f"{described[self._key(a)][0]}{list(described[self._key(a)][1])} and the next stage expects that "
+                        f"again. A stage's output shape and dtype may depend only on the input shapes, train/eval and "
+                        f"autocast."
+                    )
                 ops.append(dist.P2POp(dist.isend, t, peer, self.group))
             else:
                 if a.kind == "RECV_ACT":

@@ -48,6 +48,8 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
+from lightning_3d.collectives import current_compute_device
+from lightning_3d.strict_comm import mark_host
 from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, unique_trainable
@@ -179,6 +181,8 @@ class ShardedGradients(BucketedBackward[_Bucket]):
             if bucket.grad_shard is None:
                 device = self.grad_device or reduced.device
                 bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=bucket.param_buf.dtype, device=device)
+                if self.grad_device is not None:
+                    mark_host(bucket.grad_shard, "ZeRO-2 offload: a reduced gradient slice in host memory")
             # blocking: the host adds right away (a non_blocking device-to-host copy may not have landed)
             bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device))
         elif bucket.reduced:  # a second synchronizing backward this step: add to the held slice
@@ -497,7 +501,7 @@ class ZeroOptimizer:
 
     def grad_norm_squared(self) -> Tensor:
         """Sum of squared gradient entries over the whole model (a collective over dp, tp and pp)."""
-        device = self.buckets[0].param_buf.device if self.buckets else torch.device("cpu")
+        device = self.buckets[0].param_buf.device if self.buckets else current_compute_device()
         total = torch.zeros((), dtype=torch.float32, device=device)
         for bucket, grad in self._grad_slices():
             for lo, hi in bucket.counted:
