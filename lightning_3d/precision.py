@@ -67,8 +67,10 @@ def global_grad_norm(
     if device is None:
         device = _local(unique[0].grad).device if unique else current_compute_device()
     tp_rank = topology.tp_rank if topology is not None else 0
-    dp_sharded = torch.zeros((), device=device)
-    replicated = torch.zeros((), device=device)
+    combine = torch.maximum if norm_type == float("inf") else torch.add
+    # partial results per (dp-sharded?, gradient device): each moves to the compute device once, not
+    # once per parameter (offloaded gradients live on the host)
+    partial: dict[tuple[bool, torch.device], Tensor] = {}
     for p in unique:
         spec = get_spec(p)
         if tp_rank != 0 and not (spec is not None and spec.is_sharded):
@@ -76,11 +78,16 @@ def global_grad_norm(
         if getattr(p, "pipeline_duplicate", False):
             continue  # a tied weight's copy on the last pipeline stage: counted on the first
         g = _local(p.grad).detach().float()
-        value = (g.abs().max() if norm_type == float("inf") else g.pow(2).sum()).to(device)
-        if _is_dp_sharded(p.grad):
-            dp_sharded = torch.maximum(dp_sharded, value) if norm_type == float("inf") else dp_sharded + value
+        value = g.abs().max() if norm_type == float("inf") else g.pow(2).sum()
+        key = (_is_dp_sharded(p.grad), value.device)
+        partial[key] = value if key not in partial else combine(partial[key], value)
+    dp_sharded = torch.zeros((), device=device)
+    replicated = torch.zeros((), device=device)
+    for (sharded, _), value in partial.items():
+        if sharded:
+            dp_sharded = combine(dp_sharded, value.to(device))
         else:
-            replicated = torch.maximum(replicated, value) if norm_type == float("inf") else replicated + value
+            replicated = combine(replicated, value.to(device))
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     if topology is not None and topology.dp_size > 1:
         dist.all_reduce(dp_sharded, op=op, group=topology.dp_group)

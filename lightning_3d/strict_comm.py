@@ -154,6 +154,9 @@ class _HostTracker(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        original = _UNWRAPPED.get(func)
+        if original is not None:  # a checked collective re-dispatched by torch.distributed: checked once already
+            return original(*args, **kwargs)
         out = func(*args, **kwargs)
         if func in _FACTORIES:
             device, pinned = kwargs.get("device"), kwargs.get("pin_memory")
@@ -270,11 +273,11 @@ def _kind(t: Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
-def _scratch(kind: str) -> Tensor:
-    """An empty tensor of the dtype and shape ``_kind`` wrote."""
+def _scratch(kind: str, device: torch.device) -> Tensor:
+    """An empty tensor of the dtype and shape ``_kind`` wrote, on ``device``."""
     dtype, _, dims = kind.partition("[")
     shape = [int(d) for d in dims.rstrip("]").split(",") if d.strip()]
-    return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
 
 
 class _Work:
@@ -462,7 +465,7 @@ class _Engine:
             )
             # take the bytes into a scratch buffer of the sender's size, so that the sender completes
             # and both sides report instead of one hanging
-            self._transfer(op, _ORIGINAL["irecv"](_scratch(kind), op.peer, op.group, 0))
+            self._transfer(op, _ORIGINAL["irecv"](_scratch(kind, op.tensor.device), op.peer, op.group, 0))
             return False
         self._transfer(op, _ORIGINAL["irecv"](op.tensor, op.peer, op.group, 0))
         return False
@@ -489,6 +492,7 @@ _COLLECTIVES = (
 )  # fmt: skip
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 _ORIGINAL: dict[str, Callable] = {}
+_UNWRAPPED: dict[Callable, Callable] = {}  # collective wrapper -> the torch function it checks
 
 
 class _State:
@@ -586,13 +590,17 @@ def _patch() -> None:
         if not hasattr(c10d, name):
             continue
         _ORIGINAL.setdefault(name, getattr(c10d, name))
-        replacement = _REPLACEMENTS.get(name) or _collective(name)
+        replacement = _REPLACEMENTS.get(name)
+        if replacement is None:
+            replacement = _collective(name)
+            _UNWRAPPED[replacement] = _ORIGINAL[name]
         for module in (c10d, dist):
             if hasattr(module, name):
                 setattr(module, name, replacement)
 
 
 def _unpatch() -> None:
+    _UNWRAPPED.clear()
     for name, original in _ORIGINAL.items():
         for module in (c10d, dist):
             if hasattr(module, name):

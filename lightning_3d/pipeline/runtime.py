@@ -467,11 +467,12 @@ class _Wire:
             peer = self.runtime._peer(a)
             if a.kind.startswith("SEND"):
                 t = self.outgoing.pop((a.kind, a.micro, a.chunk)).contiguous()
-                if a.kind == "SEND_ACT" and described[self._key(a)] != (t.dtype, tuple(t.shape)):
+                announced = described[self._key(a)] if a.kind == "SEND_ACT" else None
+                if announced is not None and announced != (t.dtype, tuple(t.shape)):
                     raise RuntimeError(
                         f"pipeline stage {self.runtime.rank}: micro-batch {a.micro}'s activation is "
                         f"{t.dtype}{list(t.shape)}, but an earlier one with the same input shapes was "
-                        f"{described[self._key(a)][0]}{list(described[self._key(a)][1])} and the next stage expects that "
+                        f"{announced[0]}{list(announced[1])} and the next stage expects that "
                         f"again. A stage's output shape and dtype may depend only on the input shapes, train/eval and "
                         f"autocast."
                     )
