@@ -282,7 +282,7 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "pp-nothing-to-split": raises(ValueError, lambda: apply_pipeline(nn.Sequential(nn.Linear(2, 2)))),
     "pp-batch-not-divisible": raises(ValueError, lambda: on_train_start(ThreeDParallelStrategy(pipeline_parallel=2, micro_batches=2), torch.utils.data.DataLoader(range(6), batch_size=3))),
     "pp-hf-arguments": raises(NotImplementedError, lambda: _hf_inputs((), {"input_ids": torch.zeros(1, 2), "inputs_embeds": torch.zeros(1, 2, 4)})),
-    "pp-hf-padding": raises(NotImplementedError, lambda: _hf_inputs((), {"input_ids": torch.zeros(1, 2), "attention_mask": torch.tensor([[1, 0]])})),
+    "pp-hf-mask-shape": raises(ValueError, lambda: _hf_inputs((), {"input_ids": torch.zeros(1, 2), "attention_mask": torch.ones(1, 1, 2, 2)})),
     # precision
     "precision-plugin": raises(ValueError, lambda: ThreeDPrecision("fp8")),
     "precision-trainer": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(), precision="64-true")),

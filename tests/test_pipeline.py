@@ -346,6 +346,34 @@ def llama_run(**strategy: Any) -> list[float]:
     return recorder.losses
 
 
+class PaddedSFT(HFCausalLM):
+    """Supervised fine-tuning batches: rows padded on the right (mask 0, label -100) and on the left
+    (explicit ``position_ids`` counting from the first token), prompts masked out of the loss."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, _ = batch
+        b, t = input_ids.shape
+        lengths = torch.tensor([t - (3 * i + batch_idx) % (t // 2) for i in range(b)])  # distinct padding per row
+        cols = torch.arange(t).unsqueeze(0)
+        left = (torch.arange(b) % 2 == 1).unsqueeze(1)
+        mask = torch.where(left, cols >= t - lengths.unsqueeze(1), cols < lengths.unsqueeze(1)).long()
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+        labels = input_ids.masked_fill(mask == 0, -100)
+        labels[:, : t // 4] = -100  # the prompt
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, labels=labels)
+        return out.loss
+
+
+def sft_run(kind: str, **strategy: Any) -> list[float]:
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    trainer = quiet_trainer(
+        max_steps=3, limit_val_batches=0, callbacks=[recorder], strategy=ThreeDParallelStrategy(**strategy)
+    )
+    trainer.fit(PaddedSFT(kind), tiny_data(global_batch_size=8))
+    return recorder.losses
+
+
 def one_step_weights(**strategy: Any) -> dict[str, Any]:
     """Dense weights before and after one optimizer step (gathered over every stage)."""
     L.seed_everything(0)
@@ -439,6 +467,8 @@ def pp2_world(tmp: str) -> dict[str, Any]:
             "1f1b_m4": lambda: gpt_run(steps=2, pipeline_parallel=2, micro_batches=4),
             "zero2": lambda: gpt_run(pipeline_parallel=2, zero_stage=2),
             "llama": lambda: llama_run(pipeline_parallel=2),
+            "sft_llama": lambda: sft_run("llama", pipeline_parallel=2, micro_batches=4),
+            "sft_gpt2": lambda: sft_run("gpt2", pipeline_parallel=2, micro_batches=4),
             "weights": lambda: one_step_weights(pipeline_parallel=2),
             "uneven": lambda: uneven(pipeline_parallel=2),
             "resume": lambda: resume(tmp, pipeline_parallel=2, zero_stage=1),
@@ -471,6 +501,8 @@ def reference_world() -> dict[str, Any]:
             "gpt": lambda: gpt_run(),
             "gpt_2steps": lambda: gpt_run(steps=2),
             "llama": lambda: llama_run(),
+            "sft_llama": lambda: sft_run("llama"),
+            "sft_gpt2": lambda: sft_run("gpt2"),
             "weights": lambda: one_step_weights(),
             "uneven": lambda: uneven(),
         }
@@ -524,6 +556,14 @@ def test_hf_llama_pipelines(pp2, four, single):
     np.testing.assert_allclose(_mean([result_of(r, "llama") for r in pp2]), reference, rtol=1e-5)
     for name in ("llama_dp2pp2", "llama_tp2pp2"):
         np.testing.assert_allclose(_mean([result_of(r, name) for r in four]), reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_padded_sft_batches_pipeline_like_one_process(pp2, single, kind):
+    reference = result_of(single, f"sft_{kind}")
+    assert len(reference) == 3 and all(np.isfinite(reference))
+    for r in pp2:
+        np.testing.assert_allclose(result_of(r, f"sft_{kind}"), reference, rtol=1e-5)
 
 
 def test_automatic_optimization_really_updates_the_weights(pp2, single):

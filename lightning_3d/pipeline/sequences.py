@@ -94,26 +94,50 @@ def gpt_sequence(model: nn.Module) -> LayerSequence:
 
 
 def _hf_inputs(args: tuple, kwargs: dict) -> Inputs:
-    unsupported = {k for k, v in kwargs.items() if v is not None} - {"input_ids", "labels", "attention_mask", "position_ids", "use_cache"}
+    """``input_ids``, ``labels`` (-100 ignored), ``attention_mask`` (1 = token, 0 = padding) and
+    ``position_ids``: what supervised fine-tuning batches carry. Each is split along the batch with
+    the micro-batches, and each piece rebuilds the mask and positions of its micro-batch exactly as
+    the Hugging Face model's own forward does, so padding gives the one-process result."""
+    known = {"input_ids", "labels", "attention_mask", "position_ids", "use_cache"}
+    unsupported = {k for k, v in kwargs.items() if v is not None} - known
     if unsupported:
-        raise NotImplementedError(f"pipelined Hugging Face models take input_ids, labels, attention_mask; got {sorted(unsupported)}.")
+        raise NotImplementedError(
+            f"pipelined Hugging Face models take {sorted(known - {'use_cache'})}; got {sorted(unsupported)}. "
+            f"Compute other inputs inside the model, or use pipeline_parallel=1."
+        )
     mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.bool().all()):
-        raise NotImplementedError("pipelined Hugging Face models do not support padding masks yet; pass attention_mask=None.")
-    return {"input_ids": _arg(args, kwargs, 0, "input_ids"), "labels": kwargs.get("labels")}
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            f"pipelined Hugging Face models take a 2-D attention_mask [batch, sequence] (1 = token, 0 = padding); "
+            f"got shape {tuple(mask.shape)}. Pass the tokenizer's padding mask, not a 4-D attention bias."
+        )
+    return {
+        "input_ids": _arg(args, kwargs, 0, "input_ids"),
+        "labels": kwargs.get("labels"),
+        "attention_mask": mask,
+        "position_ids": kwargs.get("position_ids"),
+    }
 
 
 def _hf_positions(batch: Inputs, hidden: Tensor) -> Tensor:
+    """The micro-batch's ``position_ids`` if the batch has them, else ``0..T-1`` (as HF's forward)."""
     if "_positions" not in batch:
-        batch["_positions"] = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        given = batch.get("position_ids")
+        batch["_positions"] = given if given is not None else torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     return batch["_positions"]
 
 
 def _hf_mask(model: nn.Module, batch: Inputs, hidden: Tensor) -> Any:
+    """The causal (and padding) mask HF's forward would build for this micro-batch, built once per
+    micro-batch and piece."""
     if "_mask" not in batch:
         create = sys.modules[type(model).__module__].create_causal_mask
         batch["_mask"] = create(
-            config=model.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=_hf_positions(batch, hidden)
+            config=model.config,
+            inputs_embeds=hidden,
+            attention_mask=batch.get("attention_mask"),
+            cache=None,
+            position_ids=_hf_positions(batch, hidden),
         )
     return batch["_mask"]
 
@@ -181,9 +205,8 @@ def gpt2_sequence(model: nn.Module) -> LayerSequence:
     inner = model.transformer
 
     def embed(batch: Inputs) -> Tensor:
-        ids = batch["input_ids"]
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        return inner.drop(inner.wte(ids) + inner.wpe(positions))
+        embeds = inner.wte(batch["input_ids"])
+        return inner.drop(embeds + inner.wpe(_hf_positions(batch, embeds)))
 
     def block(layer: nn.Module, x: Tensor, batch: Inputs) -> Tensor:
         return _first(layer(x, None, _hf_mask(model, batch, x), position_ids=_hf_positions(batch, x)))
