@@ -21,7 +21,7 @@ from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, sha
 
 def _sharded_spec(t: Any) -> Optional[TPSpec]:
     spec = get_spec(t) if isinstance(t, Tensor) else None
-    return spec if spec is not None and spec.is_sharded else None
+    return spec if spec is not None and spec.differs_from_dense else None
 
 
 def to_dense(value: Tensor, spec: Optional[TPSpec]) -> Tensor:

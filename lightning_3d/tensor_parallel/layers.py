@@ -46,13 +46,26 @@ def resolve_tp_group(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup
     return topology.tp_group
 
 
+def _is_conv1d(module: Optional[nn.Module]) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2), matched by name so transformers is not imported."""
+    return module is not None and type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def _dense_weight(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
     """(weight as [out, in], bias) for ``nn.Linear`` and Hugging Face's ``Conv1D`` ([in, out])."""
     if isinstance(module, nn.Linear):
         return module.weight.detach(), None if module.bias is None else module.bias.detach()
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+    if _is_conv1d(module):
         return module.weight.detach().t(), None if module.bias is None else module.bias.detach()
     raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}.")
+
+
+def _weight_spec(weight: Tensor, module: nn.Module, group: dist.ProcessGroup, **spec) -> TPSpec:
+    """The weight's spec; a ``Conv1D``'s dense tensor (in checkpoints and exports) stays ``[in, out]``,
+    the transpose of the ``[out, in]`` layout the parallel layer computes with."""
+    transposed = _is_conv1d(module)
+    dense_shape = tuple(weight.shape)[::-1] if transposed else tuple(weight.shape)
+    return TPSpec(full_shape=dense_shape, group=group, transposed=transposed, **spec)
 
 
 def _linear_init_(weight: Tensor, bias: Optional[Tensor], fan_in: int) -> None:
@@ -132,7 +145,7 @@ class ColumnParallelLinear(nn.Module):
         weight, dense_bias = _dense_weight(dense)
         spec = dict(dim=0, world=world, rank=rank, num_blocks=num_blocks, padded_size=padded_out)
         self.weight = nn.Parameter(shard_tensor(weight, **spec))
-        set_spec(self.weight, TPSpec(full_shape=tuple(weight.shape), group=self.tp_group, **spec))
+        set_spec(self.weight, _weight_spec(weight, dense, self.tp_group, **spec))
         if dense_bias is not None:
             self.bias = nn.Parameter(shard_tensor(dense_bias, **spec))
             set_spec(self.bias, TPSpec(full_shape=tuple(dense_bias.shape), group=self.tp_group, **spec))
@@ -203,7 +216,7 @@ class RowParallelLinear(nn.Module):
         dense = _dense if _dense is not None else nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
         weight, dense_bias = _dense_weight(dense)
         self.weight = nn.Parameter(shard_tensor(weight, dim=1, world=world, rank=rank))
-        set_spec(self.weight, TPSpec(dim=1, world=world, rank=rank, full_shape=tuple(weight.shape), group=self.tp_group))
+        set_spec(self.weight, _weight_spec(weight, dense, self.tp_group, dim=1, world=world, rank=rank))
         if dense_bias is not None:
             self.bias = nn.Parameter(dense_bias.clone())
             if sequence_parallel:  # added after the reduce-scatter, to a sequence shard

@@ -8,6 +8,12 @@ Every parameter of a tensor-parallel model carries a :class:`TPSpec` (``param.tp
 * ``dim=d``: split along ``d``; ``padded_size`` is the split dimension after padding (vocabulary
   padded to a multiple of tp); ``num_blocks > 1`` means the dense dimension is made of equal
   blocks that are split separately (a fused q/k/v projection: each rank holds q_r, k_r, v_r).
+* ``transposed=True``: the *dense* tensor -- what checkpoints, consolidation, export and the
+  optimizer's dense state see -- is the transpose of this layer's layout. Hugging Face's ``Conv1D``
+  (GPT-2) stores ``[in, out]``; its tensor-parallel replacement computes with ``[out, in]`` slices.
+  ``full_shape`` is always the dense shape; ``dim``, ``num_blocks`` and ``padded_size`` describe the
+  layout (:attr:`TPSpec.layout_shape`), so ``local == shard_tensor(dense.t() if transposed else
+  dense, dim, world, rank, num_blocks, padded_size)``.
 
 The spec is what checkpoints use to gather and re-split tensors, and what ZeRO shards further.
 """
@@ -36,10 +42,21 @@ class TPSpec:
     num_blocks: int = 1
     sequence_parallel: bool = False
     group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
+    transposed: bool = False
 
     @property
     def is_sharded(self) -> bool:
         return self.dim is not None and self.world > 1
+
+    @property
+    def layout_shape(self) -> tuple[int, ...]:
+        """The full (unsplit, unpadded) shape in this layer's own layout."""
+        return tuple(reversed(self.full_shape)) if self.transposed else tuple(self.full_shape)
+
+    @property
+    def differs_from_dense(self) -> bool:
+        """The local tensor is not simply the dense one: split over ranks, or transposed (or both)."""
+        return self.is_sharded or self.transposed
 
 
 def padded(size: int, world: int) -> int:
@@ -101,8 +118,17 @@ def shard_tensor(full: Tensor, dim: int, world: int, rank: int, num_blocks: int 
     return torch.cat([b.chunk(world, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 
 
+def _transpose(t: Tensor) -> Tensor:
+    if t.dim() != 2:
+        raise ValueError(f"a transposed tensor-parallel spec needs a matrix, got shape {tuple(t.shape)}.")
+    return t.t().contiguous()
+
+
 def shard_like(full: Tensor, spec: TPSpec) -> Tensor:
-    """Re-split a dense tensor (e.g. from a consolidated checkpoint) for the rank ``spec`` describes."""
+    """Re-split a dense tensor (e.g. from a consolidated checkpoint) for the rank ``spec`` describes
+    (transposed into the layer's layout first when ``spec.transposed``)."""
+    if spec.transposed:
+        full = _transpose(full)
     if not spec.is_sharded:
         return full
     assert spec.dim is not None
@@ -110,9 +136,10 @@ def shard_like(full: Tensor, spec: TPSpec) -> Tensor:
 
 
 def gather_full(shard: Tensor, spec: TPSpec) -> Tensor:
-    """The dense tensor from every rank's shard (a collective over ``spec.group``), padding removed."""
+    """The dense tensor from every rank's shard (a collective over ``spec.group``), padding removed,
+    transposed back when the layer's layout is the dense tensor's transpose."""
     if not spec.is_sharded:
-        return shard
+        return _transpose(shard) if spec.transposed else shard
     assert spec.dim is not None and spec.group is not None
     dim = spec.dim % shard.dim()
     gathered = gather_along(shard, dim, spec.group)
@@ -120,35 +147,47 @@ def gather_full(shard: Tensor, spec: TPSpec) -> Tensor:
         pieces = gathered.chunk(spec.world * spec.num_blocks, dim=dim)
         order = [pieces[r * spec.num_blocks + b] for b in range(spec.num_blocks) for r in range(spec.world)]
         gathered = torch.cat(order, dim=dim)
-    return gathered.narrow(dim, 0, spec.full_shape[dim])
+    gathered = gathered.narrow(dim, 0, spec.layout_shape[dim])
+    return _transpose(gathered) if spec.transposed else gathered
 
 
 def assemble_dense(locals_by_rank: dict[int, Tensor], spec: dict) -> Tensor:
     """The dense tensor from every tensor-parallel rank's local tensor, without communication.
 
-    ``spec`` is a serialized :class:`TPSpec` (``dim``, ``world``, ``num_blocks``, ``full_shape``): the
-    inverse of :func:`shard_tensor`, used when reading sharded checkpoints.
+    ``spec`` is a serialized :class:`TPSpec` (``dim``, ``world``, ``num_blocks``, ``full_shape`` -- the
+    dense shape --, ``transposed``): the inverse of :func:`shard_tensor` (and of the transpose), used
+    when reading sharded checkpoints.
     """
     dim, world = spec.get("dim"), spec.get("world", 1)
+    transposed = bool(spec.get("transposed", False))
     if dim is None or world == 1:
-        return next(iter(locals_by_rank.values()))
+        local = next(iter(locals_by_rank.values()))
+        return _transpose(local) if transposed else local
     missing = set(range(world)) - set(locals_by_rank)
     if missing:
         raise ValueError(f"tensor-parallel ranks {sorted(missing)} of a sharded tensor are missing.")
     blocks = spec.get("num_blocks", 1)
     parts = [locals_by_rank[r].chunk(blocks, dim=dim) for r in range(world)]
     dense = torch.cat([parts[r][b] for b in range(blocks) for r in range(world)], dim=dim)
-    return dense.narrow(dim, 0, spec["full_shape"][dim])
+    layout = list(reversed(spec["full_shape"])) if transposed else list(spec["full_shape"])
+    dense = dense.narrow(dim, 0, layout[dim])
+    return _transpose(dense) if transposed else dense
 
 
 def spec_record(spec: Optional[TPSpec], full_shape: tuple[int, ...]) -> dict:
-    """A serializable description of how a local tensor relates to its dense counterpart."""
-    if spec is None or not spec.is_sharded:
+    """A serializable description of how a local tensor relates to its dense counterpart.
+    ``full_shape`` is the dense shape; ``transposed`` appears only when true (older manifests lack it)."""
+    if spec is None or not spec.differs_from_dense:
         return {"dim": None, "world": 1, "rank": 0, "num_blocks": 1, "full_shape": list(full_shape)}
-    return {
+    if not spec.is_sharded:  # transposed only
+        return {"dim": None, "world": 1, "rank": 0, "num_blocks": 1, "full_shape": list(spec.full_shape), "transposed": True}
+    record = {
         "dim": spec.dim,
         "world": spec.world,
         "rank": spec.rank,
         "num_blocks": spec.num_blocks,
         "full_shape": list(spec.full_shape),
     }
+    if spec.transposed:
+        record["transposed"] = True
+    return record

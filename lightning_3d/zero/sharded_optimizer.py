@@ -750,8 +750,8 @@ def _dense_numel(p: Tensor) -> int:
 
 def _dense(local: Tensor, spec: Optional[TPSpec]) -> Tensor:
     local = local.detach().clone()
-    return gather_full(local, spec) if spec is not None and spec.is_sharded else local
+    return gather_full(local, spec) if spec is not None and spec.differs_from_dense else local
 
 
 def _local(dense: Tensor, spec: Optional[TPSpec]) -> Tensor:
-    return shard_like(dense, spec) if spec is not None and spec.is_sharded else dense
+    return shard_like(dense, spec) if spec is not None and spec.differs_from_dense else dense
