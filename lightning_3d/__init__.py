@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_3d import precision_flag
 from lightning_3d.config import ParallelConfig
+from lightning_3d.pretrained import from_pretrained, load_pretrained_
 from lightning_3d.strategy import ThreeDParallelStrategy
 from lightning_3d.topology import Coordinates, ParallelDims, Topology
 
@@ -27,4 +28,6 @@ __all__ = [
     "ThreeDParallelStrategy",
     "Topology",
     "__version__",
+    "from_pretrained",
+    "load_pretrained_",
 ]

@@ -1,0 +1,292 @@
+"""from_pretrained: slice math, the safetensors slice reader, the meta build, clear errors; per-rank
+memory when loading into tp2 x pp2; the first loss of a loaded model equals Hugging Face's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from lightning_3d.checkpoint.safetensors_format import INDEX_NAME
+from lightning_3d.checkpoint.safetensors_read import SafetensorsFile, read_slice
+from lightning_3d.pretrained import (
+    SOURCE_ATTR,
+    from_pretrained,
+    load_pretrained_,
+    local_slice_index,
+    meta_parameters,
+)
+from lightning_3d.tensor_parallel.spec import TPSpec, padded, shard_tensor
+
+
+# -- slice math ------------------------------------------------------------------------------------------
+def _take(dense: Tensor, index: list[Optional[Tensor]]) -> Tensor:
+    """``dense`` at per-dimension indices, -1 giving zeros (what the reader must return)."""
+    out = dense
+    for dim, idx in enumerate(index):
+        if idx is None:
+            continue
+        out = out.index_select(dim, idx.clamp(min=0))
+        shape = [1] * out.dim()
+        shape[dim] = -1
+        out = out.masked_fill((idx < 0).view(shape), 0)
+    return out
+
+
+def _local_from_index(dense: Tensor, spec: Optional[TPSpec], rows: Optional[tuple[int, int]] = None) -> Tensor:
+    index, transposed = local_slice_index(tuple(dense.shape), spec, rows)
+    got = _take(dense, index)
+    return got.t() if transposed else got
+
+
+def _dp_chunk(local: Tensor, dp: int, r: int) -> tuple[Tensor, tuple[int, int]]:
+    """FSDP2's dim-0 chunk of a tp-local tensor for dp rank r (torch.chunk semantics), and its rows."""
+    per = -(-local.shape[0] // dp)
+    first = min(local.shape[0], r * per)
+    chunk = local[first : first + per]
+    return chunk, (first, chunk.shape[0])
+
+
+SPEC_CASES = {
+    # name: (dense shape, spec fields)
+    "column": ((12, 5), dict(dim=0)),
+    "column_qkv": ((18, 5), dict(dim=0, num_blocks=3)),
+    "row": ((5, 12), dict(dim=1)),
+    "vocab_padded": ((11, 4), dict(dim=0, padded=True)),
+    "vocab_head_padded": ((7, 4), dict(dim=0, padded=True)),
+    "transposed_column": ((5, 12), dict(dim=0, transposed=True)),  # Conv1D [in, out], held [out/tp, in]
+    "transposed_qkv": ((5, 18), dict(dim=0, num_blocks=3, transposed=True)),
+    "transposed_row": ((12, 5), dict(dim=1, transposed=True)),  # Conv1D c_proj [in, out], held [out, in/tp]
+    "replicated_1d": ((6,), dict(dim=None)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPEC_CASES))
+@pytest.mark.parametrize("world", [2, 3])
+def test_slice_index_equals_shard_tensor(case: str, world: int) -> None:
+    shape, fields = SPEC_CASES[case]
+    fields = dict(fields)
+    dense = torch.randn(shape)
+    transposed = fields.pop("transposed", False)
+    layout = dense.t() if transposed else dense
+    dim = fields["dim"]
+    if dim is not None and not fields.pop("padded", False) and layout.shape[dim] % (world * fields.get("num_blocks", 1)):
+        pytest.skip("not divisible (the layers refuse it)")
+    for rank in range(world):
+        padded_size = padded(layout.shape[dim], world) if dim is not None and case.startswith("vocab") else None
+        spec = TPSpec(
+            dim=dim, world=world, rank=rank, full_shape=tuple(shape), padded_size=padded_size,
+            num_blocks=fields.get("num_blocks", 1), transposed=transposed,
+        )
+        expected = layout if dim is None else shard_tensor(layout, dim, world, rank, spec.num_blocks, padded_size)
+        assert torch.equal(_local_from_index(dense, spec), expected), (case, rank)
+        for dp in (2, 3):  # ZeRO-3 rows of the tp-local tensor on top
+            for r in range(dp):
+                chunk, rows = _dp_chunk(expected, dp, r)
+                assert torch.equal(_local_from_index(dense, spec, rows), chunk), (case, rank, dp, r)
+
+
+def test_padding_rows_are_minus_one() -> None:
+    spec = TPSpec(dim=0, world=2, rank=1, full_shape=(5, 3), padded_size=6)
+    index, transposed = local_slice_index((5, 3), spec)
+    assert not transposed and index[0].tolist() == [3, 4, -1] and index[1] is None
+
+
+# -- the reader -------------------------------------------------------------------------------------------
+def _write_sharded(directory: Path, tensors: dict[str, Tensor], shards: int) -> dict[str, str]:
+    """safetensors shards plus model.safetensors.index.json (the Hugging Face layout)."""
+    names = sorted(tensors)
+    weight_map: dict[str, str] = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[s::shards]}
+        save_file(part, str(directory / file))
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return weight_map
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_reader_matches_save_file(tmp_path: Path, dtype: torch.dtype, sharded: bool) -> None:
+    torch.manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(37, 9).to(dtype),
+        "b.weight": torch.randn(4, 6, 5).to(dtype),
+        "c.bias": torch.randn(13).to(dtype),
+        "scalar": torch.tensor(3.5).to(dtype),
+    }
+    if sharded:
+        weight_map = {k: tmp_path / v for k, v in _write_sharded(tmp_path, tensors, 2).items()}
+    else:
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+        weight_map = {k: tmp_path / "model.safetensors" for k in tensors}
+    rows = torch.tensor([0, 1, 2, 10, 11, 36, -1, -1, 5])
+    cols = torch.tensor([8, 0, -1, 3])
+    a = tensors["a.weight"]
+    # small chunks: runs are read in several requests
+    with SafetensorsFile(weight_map["a.weight"], chunk_bytes=3 * 9 * a.element_size()) as f:
+        assert torch.equal(f.read("a.weight"), a)
+        assert f.read("a.weight").dtype == dtype
+        assert torch.equal(f.read("a.weight", [rows, cols]), _take(a, [rows, cols]))
+        assert torch.equal(f.read("a.weight", [None, cols], dtype=torch.float64), _take(a, [None, cols]).double())
+        out = torch.full((9, 37), float("nan"), dtype=torch.float32)  # a strided view (transposed target)
+        f.read("a.weight", [torch.arange(37).flip(0), None], out=out.t())
+        assert torch.equal(out, a.flip(0).float().t())
+    b = tensors["b.weight"]
+    idx = [torch.tensor([3, -1, 1]), None, torch.tensor([4, 0])]
+    assert torch.equal(read_slice(weight_map["b.weight"], "b.weight", idx), _take(b, idx))
+    assert torch.equal(read_slice(weight_map["c.bias"], "c.bias", [torch.tensor([12, -1, 0])]), _take(tensors["c.bias"], [torch.tensor([12, -1, 0])]))
+    assert torch.equal(read_slice(weight_map["scalar"], "scalar"), tensors["scalar"])
+    with SafetensorsFile(weight_map["a.weight"]) as f:
+        f.read("a.weight", [torch.tensor([5, 6])])
+        assert f.bytes_read == 2 * 9 * a.element_size()  # only the rows asked for
+        with pytest.raises(ValueError, match=r"index of dimension 0 selects .*outside \[0, 37\)"):
+            f.read("a.weight", [torch.tensor([37])])
+        with pytest.raises(KeyError, match="holds no tensor 'nope'"):
+            f.read("nope")
+
+
+# -- building on meta; loading in one process ---------------------------------------------------------------
+def _tiny_llama_config(**overrides: Any) -> Any:
+    import transformers
+
+    kwargs = dict(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    kwargs.update(overrides)
+    return transformers.LlamaConfig(**kwargs)
+
+
+def _tiny_gpt2_config(**overrides: Any) -> Any:
+    import transformers
+
+    kwargs = dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    kwargs.update(overrides)
+    return transformers.GPT2Config(**kwargs)
+
+
+FAMILIES = {"llama": _tiny_llama_config, "gpt2": _tiny_gpt2_config}
+
+
+def save_tiny(directory: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny seeded Hugging Face checkpoint written by save_pretrained (no hub)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](**overrides))
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def test_meta_build_keeps_computed_buffers() -> None:
+    import transformers
+
+    config = _tiny_llama_config()
+    dense = transformers.LlamaForCausalLM(config)
+    with meta_parameters():
+        meta = transformers.LlamaForCausalLM(config)
+    assert all(p.is_meta for p in meta.parameters())
+    assert meta.lm_head.weight is meta.model.embed_tokens.weight
+    assert torch.equal(meta.model.rotary_emb.inv_freq, dense.model.rotary_emb.inv_freq)
+    assert not any(b.is_meta for b in meta.buffers())
+    assert not nn.Linear(2, 2).weight.is_meta  # the patch ends with the context
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_from_pretrained_then_load_equals_transformers(tmp_path: Path, family: str) -> None:
+    import transformers
+
+    path = save_tiny(tmp_path, family, tie_word_embeddings=False) if family == "llama" else save_tiny(tmp_path, family)
+    model = from_pretrained(path)
+    assert all(p.is_meta for p in model.parameters())
+    assert getattr(model, SOURCE_ATTR).directory == path
+    report = load_pretrained_(model, torch.device("cpu"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    expected = reference.state_dict()
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    assert report.tensors == len(list(model.parameters())) and report.bytes_read > 0
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_dtype_and_bf16_file(tmp_path: Path) -> None:
+    import transformers
+
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path))
+    loaded = from_pretrained(tmp_path, dtype="fp32")
+    load_pretrained_(loaded)
+    assert loaded.model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.float())
+    assert loaded.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_hub_style_keys_without_base_prefix(tmp_path: Path) -> None:
+    """GPT-2 checkpoints on the hub store ``h.0...``/``wte.weight``, without ``transformer.``."""
+    import transformers
+
+    torch.manual_seed(2)
+    config = _tiny_gpt2_config()
+    model = transformers.GPT2LMHeadModel(config)
+    state = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    config.save_pretrained(str(tmp_path))
+    loaded = from_pretrained(tmp_path)
+    load_pretrained_(loaded)
+    assert torch.equal(loaded.transformer.h[1].attn.c_attn.weight, model.transformer.h[1].attn.c_attn.weight)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+
+
+def test_missing_key_and_shape_mismatch_are_named(tmp_path: Path) -> None:
+    import transformers
+
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    _tiny_llama_config().save_pretrained(str(tmp_path))
+    missing = dict(state)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{tmp_path}.*no tensor for 1 weight.*'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        from_pretrained(tmp_path)
+    wrong = dict(state)
+    wrong["model.norm.weight"] = torch.ones(31)
+    save_file(wrong, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: file shape \[31\], model expects \[32\]"):
+        from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+        from_pretrained(tmp_path)
+
+
+def test_unsupported_model_type_is_named(tmp_path: Path) -> None:
+    import transformers
+
+    transformers.AutoConfig.for_model("bert").save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"model_type='bert' is not supported.*llama"):
+        from_pretrained(tmp_path)
+
+
+def test_load_checks_the_local_shape(tmp_path: Path) -> None:
+    """A parameter whose tensor-parallel spec does not describe it is refused by name."""
+    path = save_tiny(tmp_path, "llama")
+    model = from_pretrained(path)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    weight.tp_spec = TPSpec(dim=1, world=2, rank=0, full_shape=tuple(weight.shape))  # claims a half it does not hold
+    with pytest.raises(ValueError, match=r"down_proj\.weight: this rank's slice of .* has shape \[32, 32\], but the parameter holds \[32, 64\]"):
+        load_pretrained_(model)
