@@ -121,6 +121,7 @@ def test_reader_matches_save_file(tmp_path: Path, dtype: torch.dtype, sharded: b
         "b.weight": torch.randn(4, 6, 5).to(dtype),
         "c.bias": torch.randn(13).to(dtype),
         "scalar": torch.tensor(3.5).to(dtype),
+        "wide": torch.randn(6, 1024).to(dtype),
     }
     if sharded:
         weight_map = {k: tmp_path / v for k, v in _write_sharded(tmp_path, tensors, 2).items()}
@@ -144,6 +145,12 @@ def test_reader_matches_save_file(tmp_path: Path, dtype: torch.dtype, sharded: b
     assert torch.equal(read_slice(weight_map["b.weight"], "b.weight", idx), _take(b, idx))
     assert torch.equal(read_slice(weight_map["c.bias"], "c.bias", [torch.tensor([12, -1, 0])]), _take(tensors["c.bias"], [torch.tensor([12, -1, 0])]))
     assert torch.equal(read_slice(weight_map["scalar"], "scalar"), tensors["scalar"])
+    wide = tensors["wide"]
+    with SafetensorsFile(weight_map["wide"], chunk_bytes=4096) as f:  # a row-parallel slice: column ranges only
+        cols = torch.cat([torch.arange(512, 1024), torch.full((3,), -1)])
+        rows = torch.tensor([5, 0, 1, -1])
+        assert torch.equal(f.read("wide", [rows, cols]), _take(wide, [rows, cols]))
+        assert f.bytes_read == 3 * 512 * wide.element_size()
     with SafetensorsFile(weight_map["a.weight"]) as f:
         f.read("a.weight", [torch.tensor([5, 6])])
         assert f.bytes_read == 2 * 9 * a.element_size()  # only the rows asked for
@@ -290,3 +297,114 @@ def test_load_checks_the_local_shape(tmp_path: Path) -> None:
     weight.tp_spec = TPSpec(dim=1, world=2, rank=0, full_shape=tuple(weight.shape))  # claims a half it does not hold
     with pytest.raises(ValueError, match=r"down_proj\.weight: this rank's slice of .* has shape \[32, 32\], but the parameter holds \[32, 64\]"):
         load_pretrained_(model)
+
+
+# -- memory: each rank of tp2 x pp2 reads only its quarter ----------------------------------------------------
+BIG_LLAMA = dict(
+    vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+)
+# M = 185 MiB (fp32). Measured on CPU (torch 2.13, transformers 5.24, 4 ranks on 2 cores): each rank
+# holds 46.3 MiB of parameters (~M/4) and its peak RSS grew by 58-61 MiB; the ~13 MiB above its share are
+# the meta build, the 4 MiB read buffer and allocator slack. The bound is M/2 + 24 MiB (a rank that
+# materialized the dense model, or even half of it plus its share, fails it).
+LOAD_OVERHEAD_BYTES = 24 * 2**20
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM; ru_maxrss where /proc is missing)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # pragma: no cover - Linux has /proc
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> None:
+    """Start the peak at the current RSS (Linux >= 4.0), so imports before the build do not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # pragma: no cover - then the peak is conservative (includes earlier peaks)
+        pass
+
+
+def write_big_checkpoint(directory: Path) -> int:
+    """A seeded Llama checkpoint of ~194 MB (fp32) in 3 safetensors shards with an index; its bytes."""
+    import transformers
+
+    config = transformers.LlamaConfig(**BIG_LLAMA)
+    with meta_parameters():
+        meta = transformers.LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(p.shape, generator=generator) * 0.02 for name, p in meta.named_parameters()}
+    _write_sharded(directory, tensors, shards=3)
+    config.save_pretrained(str(directory))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def tp2_pp2_load_memory(path: str) -> dict[str, Any]:
+    """Build with from_pretrained, apply tp2 (Llama plan) and pp2 (this stage's layers), load; the peak
+    RSS growth, then every local tensor compared with the file's tensor split by shard_like."""
+    import transformers
+    from safetensors import safe_open
+
+    from lightning_3d.checkpoint.safetensors_format import weight_files
+    from lightning_3d.pipeline.runtime import PipelineConfig, pipeline_model
+    from lightning_3d.pipeline.sequences import llama_sequence
+    from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan, llama_plan
+    from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
+    from lightning_3d.tensor_parallel.spec import get_spec, shard_like
+    from lightning_3d.topology import ParallelDims, Topology
+
+    topology = Topology.build(ParallelDims(dp=1, tp=2, pp=2).resolve(4))
+    tracker = RNGStatesTracker("cpu")
+    seed_tracker(tracker, topology.tp_rank, topology.pp_rank, 0)
+    with meta_parameters():  # warm up the code paths (lazy imports, first allocations) before measuring
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**BIG_LLAMA, "vocab_size": 64, "num_hidden_layers": 1}))
+    _reset_peak_rss()
+    before = _rss_bytes()
+    model = from_pretrained(path)
+    apply_plan(model, llama_plan(model), PlanContext(topology.tp_group, False, tracker))
+    pipeline_model(model, llama_sequence(model), topology, PipelineConfig())
+    report = load_pretrained_(model, torch.device("cpu"))
+    growth = _peak_rss_bytes() - before
+    local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    files = weight_files(path)
+    wrong = []
+    for name, p in model.named_parameters():
+        with safe_open(str(files[name]), "pt") as f:
+            dense = f.get_tensor(name)
+        spec = get_spec(p)
+        if not torch.equal(p.detach(), shard_like(dense, spec) if spec is not None else dense):
+            wrong.append(name)
+    return {
+        "growth": growth, "local_bytes": local_bytes, "bytes_read": report.bytes_read, "wrong": wrong,
+        "names": sorted(n for n, _ in model.named_parameters()), "seconds": report.seconds,
+    }
+
+
+def test_tp2_pp2_load_reads_only_each_ranks_quarter(tmp_path: Path) -> None:
+    from lightning_3d.testing import run_on_ranks
+
+    m_bytes = write_big_checkpoint(tmp_path)
+    assert 180e6 < m_bytes < 220e6
+    results = run_on_ranks(tp2_pp2_load_memory, 4, str(tmp_path), timeout=120)
+    stages = [set(r["names"]) for r in results]
+    assert "model.embed_tokens.weight" in stages[0] and "lm_head.weight" not in stages[0]  # ranks 0, 1: stage 0
+    assert "lm_head.weight" in stages[3] and "model.embed_tokens.weight" not in stages[3]  # ranks 2, 3: stage 1
+    for rank, r in enumerate(results):
+        assert r["wrong"] == [], (rank, r["wrong"])
+        assert r["local_bytes"] < 0.27 * m_bytes, (rank, r["local_bytes"])
+        assert r["bytes_read"] == r["local_bytes"], (rank, r["bytes_read"])  # fp32 file into fp32: nothing more
+        assert r["growth"] < m_bytes / 2 + LOAD_OVERHEAD_BYTES, (rank, r["growth"], m_bytes)
+    print("peak RSS growth per rank (MB):", [round(r["growth"] / 2**20, 1) for r in results], "M:", round(m_bytes / 2**20, 1))

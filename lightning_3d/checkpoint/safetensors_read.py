@@ -84,7 +84,7 @@ class SafetensorsFile:
         self.header, self.data_start = read_header(self.path)
         self.chunk_bytes = chunk_bytes
         self.bytes_read = 0
-        self._file: Optional[BinaryIO] = open(self.path, "rb")
+        self._file: Optional[BinaryIO] = open(self.path, "rb", buffering=0)  # reads go straight into our buffer
         self._buffer = bytearray()
 
     def __enter__(self) -> "SafetensorsFile":
@@ -150,42 +150,78 @@ class SafetensorsFile:
         if end - begin != expected:
             raise ValueError(f"{self.path}: {name!r} has {end - begin} bytes for shape {list(shape)} of {entry['dtype']}; the file is damaged.")
         if not shape:  # a scalar
-            out.copy_(self._read_rows(begin, 1, itemsize, file_dtype, ()).reshape(()))
+            out.copy_(self._read_into_buffer([(begin, itemsize)], itemsize).view(file_dtype).reshape(()))
             return out
-        row_shape = shape[1:]
         row_bytes = expected // shape[0] if shape[0] else 0
         rows = index[0] if index[0] is not None else torch.arange(shape[0])
-        per_chunk = max(1, self.chunk_bytes // max(1, row_bytes))
+        columns = _column_runs(shape, index, itemsize)
+        if columns is None:  # whole rows, other dimensions selected from each chunk
+            kept_shape, kept_bytes, rest = shape[1:], row_bytes, index
+        else:  # only the selected column ranges of each row (a row-parallel slice of a matrix)
+            kept_shape = (index[1].numel(), *shape[2:])
+            kept_bytes = row_bytes // shape[1] * index[1].numel()
+            rest = [None, None, *index[2:]]
+        per_chunk = max(1, self.chunk_bytes // max(1, kept_bytes))
         for pos, first, count in _runs(rows):
             if first < 0:
                 out.narrow(0, pos, count).zero_()
                 continue
             for done in range(0, count, per_chunk):
                 n = min(per_chunk, count - done)
-                chunk = self._read_rows(begin + (first + done) * row_bytes, n, row_bytes, file_dtype, row_shape)
-                out.narrow(0, pos + done, n).copy_(_select(chunk, index))
+                row0 = begin + (first + done) * row_bytes
+                if columns is None:
+                    ranges = [(row0, n * row_bytes)]
+                else:
+                    col_bytes = row_bytes // shape[1]
+                    ranges = [
+                        (row0 + r * row_bytes + c0 * col_bytes if c0 >= 0 else -1, k * col_bytes)
+                        for r in range(n)
+                        for _, c0, k in columns
+                    ]
+                chunk = self._read_into_buffer(ranges, n * kept_bytes).view(file_dtype).view(n, *kept_shape)
+                out.narrow(0, pos + done, n).copy_(_select(chunk, rest))
         return out
 
-    def _read_rows(self, offset: int, rows: int, row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> Tensor:
-        """``rows`` rows starting at byte ``offset`` of the data section, viewed as ``dtype`` (a view of a
-        reused buffer: valid until the next read)."""
+    def _read_into_buffer(self, ranges: list[tuple[int, int]], size: int) -> Tensor:
+        """The byte ranges ``(offset in the data section, length)`` read back to back into a reused
+        buffer (offset -1: zeros, a padding column); a uint8 view valid until the next read."""
         assert self._file is not None
-        size = rows * row_bytes
         if size == 0:
-            return torch.empty((rows, *row_shape), dtype=dtype)
+            return torch.empty(0, dtype=torch.uint8)
         if len(self._buffer) < size:
             self._buffer = bytearray(size)
-        view = memoryview(self._buffer)[:size]
-        self._file.seek(self.data_start + offset)
-        got = 0
-        while got < size:
-            n = self._file.readinto(view[got:])
-            if not n:
-                raise ValueError(f"{self.path}: the file ends before its tensor data does (truncated file).")
-            got += n
-        self.bytes_read += size
-        raw = torch.frombuffer(self._buffer, dtype=torch.uint8, count=size)
-        return raw.view(dtype).view(rows, *row_shape)
+        view = memoryview(self._buffer)
+        at = 0
+        for offset, length in ranges:
+            if offset < 0:
+                view[at : at + length] = bytes(length)
+                at += length
+                continue
+            self._file.seek(self.data_start + offset)
+            end = at + length
+            while at < end:
+                n = self._file.readinto(view[at:end])
+                if not n:
+                    raise ValueError(f"{self.path}: the file ends before its tensor data does (truncated file).")
+                at += n
+            self.bytes_read += length
+        return torch.frombuffer(self._buffer, dtype=torch.uint8, count=size)
+
+
+def _column_runs(shape: tuple[int, ...], index: Sequence[Index], itemsize: int) -> Optional[list[tuple[int, int, int]]]:
+    """Runs of dimension 1 to read as byte ranges of each row, when that reads at most half of every
+    row in pieces of at least 512 bytes; ``None``: read whole rows."""
+    if len(shape) < 2 or index[1] is None or not shape[1]:
+        return None
+    runs = _runs(index[1])
+    inner = itemsize
+    for size in shape[2:]:
+        inner *= size
+    selected = sum(k for _, first, k in runs if first >= 0)
+    smallest = min((k * inner for _, first, k in runs if first >= 0), default=0)
+    if selected * 2 > shape[1] or smallest < 512:
+        return None
+    return runs
 
 
 def read_slice(
