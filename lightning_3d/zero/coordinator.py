@@ -16,7 +16,7 @@ The strategy only calls :meth:`prepare_module`, :meth:`wrap_optimizers`, :meth:`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Optional
 
@@ -60,15 +60,18 @@ class ZeroCoordinator:
         """Whether some ZeRO optimizer keeps masters apart from the parameters (mixed precision, offload)."""
         return any(opt.separate_master for opt in self.zero_optimizers)
 
-    def prepare_module(self, module: nn.Module, device: torch.device) -> None:
-        """Stage 3: shard the module (and materialize it if it was built on the meta device)."""
+    def prepare_module(self, module: nn.Module, device: torch.device, initialize: Optional[Callable[[], Any]] = None) -> None:
+        """Stage 3: shard the module (and materialize it if it was built on the meta device; ``initialize``
+        fills the shards instead of ``reset_parameters``, e.g. from pretrained weights)."""
         if self.stage != 3 or self.fsdp_roots:
             return
         mixed = (self.compute_dtype, torch.float32) if self.mixed else (None, None)
         offload = "cpu" in (self.offload_optimizer, self.offload_params)
         self.fsdp_roots = apply_zero3(module, self.topology.mesh["dp"], *mixed, cpu_offload=offload)
         # a seed per rank: dp chunks and tp slices of one weight must not repeat each other's values
-        materialize_meta(module, device, seed=torch.initial_seed() + 104729 * (self.topology.rank + 1), mesh=self.topology.mesh["dp"])
+        materialize_meta(
+            module, device, seed=torch.initial_seed() + 104729 * (self.topology.rank + 1), mesh=self.topology.mesh["dp"], initialize=initialize
+        )
         restore_specs(module)  # to_empty() re-created FSDP2's parameters
 
     def module_moved(self, module: nn.Module) -> None:

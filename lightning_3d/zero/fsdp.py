@@ -12,7 +12,7 @@ then each top-level child of the LightningModule that owns parameters (the model
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -105,7 +105,13 @@ def _per_rank_random(seed: int, device: torch.device, mesh: Optional[DeviceMesh]
             tracker.distribute_region_enabled = enabled
 
 
-def materialize_meta(root: nn.Module, device: torch.device, seed: int = 0, mesh: Optional[DeviceMesh] = None) -> bool:
+def materialize_meta(
+    root: nn.Module,
+    device: torch.device,
+    seed: int = 0,
+    mesh: Optional[DeviceMesh] = None,
+    initialize: Optional[Callable[[], Any]] = None,
+) -> bool:
     """Allocate this rank's shards of a model built on the meta device and initialize them.
 
     Returns whether anything was on the meta device. Initialization runs every module's
@@ -113,19 +119,27 @@ def materialize_meta(root: nn.Module, device: torch.device, seed: int = 0, mesh:
     has the last word. Each rank initializes only its shards: the values are drawn from the same
     distributions as a dense init, not bit-identical to it. Memory is filled with NaN first, so a
     parameter or buffer that no ``reset_parameters`` wrote is found and named, never trained as
-    whatever ``torch.empty`` left there.
+    whatever ``torch.empty`` left there. ``initialize`` replaces the ``reset_parameters`` pass (a
+    pretrained model fills its shards from its files: :func:`lightning_3d.pretrained.load_pretrained_`).
+    Buffers that were not on the meta device (the rotary ``inv_freq``) keep their values.
     """
     if not any(_is_meta(p) for p in root.parameters()):
         return False
+    kept = {name: b for name, b in root.named_buffers() if not _local(b).is_meta}
     root.to_empty(device=device)
     with torch.no_grad(), _per_rank_random(seed, device, mesh):
         for t in [*root.parameters(), *root.buffers()]:
             if t.is_floating_point():
                 _local(t).fill_(float("nan"))
-        for module in reversed(list(root.modules())):
-            reset: Any = getattr(module, "reset_parameters", None)
-            if callable(reset) and module is not root:
-                reset()
+        for name, value in kept.items():
+            root.get_buffer(name).copy_(value)
+        if initialize is not None:
+            initialize()
+        else:
+            for module in reversed(list(root.modules())):
+                reset: Any = getattr(module, "reset_parameters", None)
+                if callable(reset) and module is not root:
+                    reset()
     missing = [
         name
         for name, t in [*root.named_parameters(), *root.named_buffers()]
@@ -135,6 +149,11 @@ def materialize_meta(root: nn.Module, device: torch.device, seed: int = 0, mesh:
     if dist.is_available() and dist.is_initialized():  # every rank raises, or none does (no hang)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
+        if initialize is not None:
+            raise ValueError(
+                f"zero_stage=3 materialized the meta-device model, but its initializer ({getattr(initialize, '__name__', initialize)}) "
+                f"did not write {missing[:5] or 'parts held by other ranks'}{' and more' if len(missing) > 5 else ''}."
+            )
         raise ValueError(
             f"zero_stage=3 materialized the meta-device model, but no reset_parameters() initialized "
             f"{missing[:5] or 'parts held by other ranks'}{' and more' if len(missing) > 5 else ''}: their memory is "
