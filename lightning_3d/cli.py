@@ -1,6 +1,7 @@
 """The ``lightning-3d`` command.
 
-``fit``/``validate``/``test``/``predict`` are LightningCLI over :class:`GPTModule` and
+``fit``/``validate``/``test``/``predict`` are LightningCLI over :class:`GPTModule` (or, with
+``--model.init_from=HF_DIR``, :class:`HFCausalLMModule`: fine-tune that Hugging Face checkpoint) and
 :class:`TextDataModule`, so every Trainer, model and data argument is a flag or a YAML key:
 
     lightning-3d fit --trainer.strategy=3d --trainer.devices=2 --trainer.max_steps=50
@@ -32,6 +33,7 @@ USAGE = """usage: lightning-3d {fit,validate,test,predict,plan,prepare,consolida
 examples:
   lightning-3d fit --trainer.strategy=3d --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=50
   lightning-3d fit --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.data_parallel=2
+  lightning-3d fit --model.init_from=HF_DIR --data.block_size=128 --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.tensor_parallel=2
   lightning-3d plan model=bloom_176b cluster=jean_zay_bloom data.global_batch_size=2048
   lightning-3d prepare data/corpus.bin ~/texts && lightning-3d fit --data.source=data/corpus.bin
 """
@@ -83,15 +85,38 @@ def plan_main(argv: list[str]) -> int:
     return run(argv)
 
 
+def _init_from_given(argv: list[str]) -> bool:
+    """Whether ``--model.init_from`` is set, on the command line or in a ``--config`` YAML file."""
+    if any(a == "--model.init_from" or a.startswith("--model.init_from=") for a in argv):
+        return True
+    configs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    configs += [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+    import yaml
+
+    for path in configs:
+        try:
+            with open(path) as f:
+                doc = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError):  # LightningCLI reports an unreadable config itself
+            continue
+        model = doc.get("model") if isinstance(doc, dict) else None
+        if isinstance(model, dict) and model.get("init_from"):
+            return True
+    return False
+
+
 def lightning_main(argv: list[str]) -> None:
+    """LightningCLI over GPTModule, or over HFCausalLMModule when ``--model.init_from`` names a Hugging
+    Face checkpoint to fine-tune (its other flags are the same optimizer keys)."""
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_3d  # noqa: F401  (registers strategy="3d")
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import GPTModule
+    from lightning_3d.models.hf_module import HFCausalLMModule
 
     LightningCLI(
-        GPTModule,
+        HFCausalLMModule if _init_from_given(argv) else GPTModule,
         TextDataModule,
         args=argv,
         seed_everything_default=1234,

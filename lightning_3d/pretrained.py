@@ -126,14 +126,13 @@ def _as_dtype(dtype: Union[torch.dtype, str, None]) -> Optional[torch.dtype]:
 
 
 def supported_model_types() -> tuple[str, ...]:
-    """Model types ``from_pretrained`` builds: those of the model-family adapters when that registry
-    exists, else the built-in list."""
+    """Hugging Face model types ``from_pretrained`` builds: those the model-family adapters know (one
+    adapter per family, :mod:`lightning_3d.models.adapters.registry`), else the built-in list."""
     try:
-        from lightning_3d.models import adapters  # type: ignore[attr-defined]
+        from lightning_3d.models.adapters.registry import adapters
     except ImportError:
         return SUPPORTED_MODEL_TYPES
-    known = getattr(adapters, "hf_model_types", None)
-    return tuple(known()) if callable(known) else SUPPORTED_MODEL_TYPES
+    return tuple(t for adapter in adapters() for t in adapter.hf_model_types)
 
 
 def from_pretrained(path: Union[str, Path], *, dtype: Union[torch.dtype, str, None] = None, **config_overrides: Any) -> nn.Module:

@@ -70,8 +70,35 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list[L.Callback]) -
     )
 
 
-def build_model(cfg: DictConfig) -> GPTModule:
-    return GPTModule(config=GPTConfig(**_plain(cfg.model)), **_plain(cfg.optim))
+def init_from(cfg: DictConfig) -> Optional[str]:
+    """``model.init_from``: a Hugging Face model directory to fine-tune instead of building the GPT."""
+    path = cfg.model.get("init_from")
+    if not path:
+        return None
+    if not (Path(str(path)) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.init_from={path}: not a Hugging Face model directory (no config.json). It takes what "
+            f"save_pretrained() writes; to resume a lightning_3d checkpoint use ckpt_path=... instead."
+        )
+    if cfg.parallel.get("auto", False):
+        raise ValueError(
+            f"parallel=auto plans the GPT that model.* describes, not the checkpoint model.init_from={path} holds; "
+            f"choose the layout yourself (e.g. parallel=3d parallel.tensor_parallel=2)."
+        )
+    return str(path)
+
+
+def build_model(cfg: DictConfig) -> L.LightningModule:
+    """The GPT that ``cfg.model`` describes, or -- with ``model.init_from`` -- the Hugging Face checkpoint
+    there (each rank loads only its slices after the strategy laid it out)."""
+    path = init_from(cfg)
+    if path is not None:
+        from lightning_3d.models.hf_module import HFCausalLMModule
+
+        return HFCausalLMModule(init_from=path, **_plain(cfg.optim))
+    model_cfg = _plain(cfg.model)
+    model_cfg.pop("init_from", None)
+    return GPTModule(config=GPTConfig(**model_cfg), **_plain(cfg.optim))
 
 
 def build_data(cfg: DictConfig) -> TextDataModule:
@@ -120,7 +147,8 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
         summary["planned"] = {"layout": planned.layout.short(), "predicted_step_seconds": round(planned.step_seconds, 4)}
     measured = [r for r in probe.per_rank if r.get("total")]
     try:  # clusters for running only (local_gpu: "all visible GPUs") have nothing to plan with
-        predicted = predicted_memory(cfg, trainer.world_size) if measured else None
+        # (an init_from checkpoint is not the GPT the planner would describe: no prediction for it)
+        predicted = predicted_memory(cfg, trainer.world_size) if measured and init_from(cfg) is None else None
     except ValueError as err:
         log.info("lightning_3d: no memory prediction for this run: %s", err)
         predicted = None

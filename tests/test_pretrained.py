@@ -408,3 +408,34 @@ def test_tp2_pp2_load_reads_only_each_ranks_quarter(tmp_path: Path) -> None:
         assert r["bytes_read"] == r["local_bytes"], (rank, r["bytes_read"])  # fp32 file into fp32: nothing more
         assert r["growth"] < m_bytes / 2 + LOAD_OVERHEAD_BYTES, (rank, r["growth"], m_bytes)
     print("peak RSS growth per rank (MB):", [round(r["growth"] / 2**20, 1) for r in results], "M:", round(m_bytes / 2**20, 1))
+
+
+# -- recipes and the CLI: model.init_from ------------------------------------------------------------------
+def test_recipe_init_from_builds_the_hf_module(tmp_path: Path) -> None:
+    from lightning_3d.models import GPTModule
+    from lightning_3d.models.hf_module import HFCausalLMModule
+    from lightning_3d.recipe import build_model, compose_config
+
+    path = save_tiny(tmp_path / "llama", "llama")
+    module = build_model(compose_config([f"model.init_from={path}", "optim.lr=1e-4"]))
+    assert isinstance(module, HFCausalLMModule)
+    assert module.hparams.init_from == str(path) and module.hparams.lr == 1e-4
+    module.configure_model()
+    assert getattr(module.model, SOURCE_ATTR).directory == path and all(p.is_meta for p in module.model.parameters())
+    assert isinstance(build_model(compose_config([])), GPTModule)  # init_from: null keeps the GPT
+    with pytest.raises(FileNotFoundError, match=r"model\.init_from=.*not a Hugging Face model directory.*ckpt_path"):
+        build_model(compose_config([f"model.init_from={tmp_path / 'nowhere'}"]))
+    with pytest.raises(ValueError, match=r"parallel=auto plans the GPT"):
+        build_model(compose_config([f"model.init_from={path}", "parallel=auto"]))
+
+
+def test_cli_picks_the_hf_module_for_init_from(tmp_path: Path) -> None:
+    from lightning_3d.cli import _init_from_given
+
+    assert _init_from_given(["fit", "--model.init_from=/x"]) and _init_from_given(["fit", "--model.init_from", "/x"])
+    assert not _init_from_given(["fit", "--model.lr=1e-3"])
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  init_from: /x\n")
+    assert _init_from_given(["fit", "--config", str(config)]) and _init_from_given(["fit", f"--config={config}"])
+    config.write_text("model:\n  lr: 0.1\n")
+    assert not _init_from_given(["fit", "--config", str(config)])
