@@ -41,7 +41,8 @@ from lightning_3d.tensor_parallel.spec import TPSpec, get_spec, shard_tensor
 
 SOURCE_ATTR = "_lightning_3d_pretrained"
 
-# Hugging Face model types whose causal-LM class the strategy can parallelize (plans, layer sequences).
+# Hugging Face model types whose causal-LM class the strategy can parallelize (plans, layer sequences),
+# when the adapter registry cannot be imported.
 SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "qwen2")
 
 
@@ -365,25 +366,38 @@ def load_pretrained_(root: nn.Module, device: Union[torch.device, str, None] = N
                         )
                     _load_(p, name, source, handle)
                     report.tensors += 1
-                for module_name, module in model.named_modules():
-                    for buf_name, buf in list(module._buffers.items()):
-                        if buf is None:
-                            continue
-                        full_name = f"{module_name}.{buf_name}" if module_name else buf_name
-                        if buf_name in module._non_persistent_buffers_set:
-                            if buf.is_meta:
-                                raise ValueError(f"{full_name} is a non-persistent buffer on the meta device: it is in no checkpoint; build it for real.")
-                            if buf.device != device:
-                                module._buffers[buf_name] = buf.to(device)
-                            continue
-                        if buf.is_meta or buf.device != device:
-                            buf = module._buffers[buf_name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-                        path, key = source.locate(full_name)
-                        _read_into(handle(path), key, buf, None, full_name, source.directory, tuple(buf.shape))
-                        report.tensors += 1
+                report.tensors += _load_buffers_(model, source, handle, device)
         report.bytes_read = sum(f.bytes_read for f in opened.values())
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _on(t: Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on ``device`` (``"cuda"`` without an index: any GPU counts)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _load_buffers_(model: nn.Module, source: PretrainedSource, handle: Any, device: torch.device) -> int:
+    """Persistent buffers are read (whole: they are replicated); the others keep their computed values
+    and move to ``device``. Returns how many were read."""
+    count = 0
+    for module_name, module in model.named_modules():
+        for buf_name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            full_name = f"{module_name}.{buf_name}" if module_name else buf_name
+            if buf_name in module._non_persistent_buffers_set:
+                if buf.is_meta:
+                    raise ValueError(f"{full_name} is a non-persistent buffer on the meta device: it is in no checkpoint; build it for real.")
+                if not _on(buf, device):
+                    module._buffers[buf_name] = buf.to(device)
+                continue
+            if buf.is_meta or not _on(buf, device):
+                buf = module._buffers[buf_name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            path, key = source.locate(full_name)
+            _read_into(handle(path), key, buf, None, full_name, source.directory, tuple(buf.shape))
+            count += 1
+    return count
 
 
 def _load_(p: Tensor, name: str, source: PretrainedSource, handle: Any) -> None:
