@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-matrix bench clean
+.PHONY: setup train test test-slow test-matrix bench clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ train: $(STAMP)
 	$(PY) recipes/train.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# Tests marked slow (more tiny recipes end to end): run before a release; `make test` leaves them out.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(ARGS)
 
 # The full composition matrix (tests/matrix.py): about an hour on 2 cores; `make test` runs its pairwise sample.
 test-matrix: $(STAMP)
