@@ -127,6 +127,7 @@ def materialize_meta(
         return False
     kept = {name: b for name, b in root.named_buffers() if not _local(b).is_meta}
     root.to_empty(device=device)
+    restore_specs(root)  # to_empty() re-created FSDP2's parameters: initializers read their tp specs
     with torch.no_grad(), _per_rank_random(seed, device, mesh):
         for t in [*root.parameters(), *root.buffers()]:
             if t.is_floating_point():
