@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -38,22 +38,12 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_3d.activation_checkpointing import apply_activation_checkpointing
+from lightning_3d import strict_comm
 from lightning_3d.checkpoint import AtomicCheckpointIO
-from lightning_3d.checkpoint.consolidated import (
-    full_optimizer_state,
-    full_state_dict,
-    keyed_by_index,
-    keyed_by_name,
-    load_sharded_optimizer_state,
-    merge_optimizer_states,
-    merge_over_group,
-    parameter_names,
-    shard_state_dict,
-)
-from lightning_3d.checkpoint.compatibility import check_compatible
-from lightning_3d.checkpoint.manager import ShardedCheckpointer, check_keep_last_k
-from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
+from lightning_3d.checkpoint.formats import JobState
+from lightning_3d.checkpoint.formats import checkpoint_format as checkpoint_format_for
+from lightning_3d.checkpoint.manager import ShardedCheckpointer
+from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.fault import (
     HealthMonitor,
     apply_nccl_watchdog_defaults,
@@ -63,14 +53,10 @@ from lightning_3d.fault import (
     watch_launcher,
 )
 from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSubprocessScriptLauncher
-from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
-from lightning_3d.loss_normalization import normalize_over_data_parallel
-from lightning_3d import strict_comm
-from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
-from lightning_3d.pipeline.sequences import find_sequences
+from lightning_3d.parallelize import parallelize
+from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
-from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
-from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
+from lightning_3d.tensor_parallel.plans import TensorParallelPlan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker, agree_on_random_state, seed_tracker
 from lightning_3d.topology import Degree, ParallelDims, Topology, use_topology
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES
@@ -197,12 +183,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self._bucket_bytes = int(bucket_size_mb * 2**20)
         self._tp_plan = tensor_parallel_plan
         self._pp_partition = pipeline_partition
-        if checkpoint_format not in ("sharded", "consolidated"):
-            raise ValueError(f"checkpoint_format={checkpoint_format!r}: use 'sharded' or 'consolidated'.")
-        self._checkpoint_format = checkpoint_format
-        check_keep_last_k(keep_last_k)
-        self._async_checkpoint, self._keep_last_k = async_checkpoint, keep_last_k
-        self._checkpointer: Optional[ShardedCheckpointer] = None
+        self._format = checkpoint_format_for(checkpoint_format, async_checkpoint, keep_last_k)
         self._health_check = health_check
         self._monitor: Optional[HealthMonitor] = None
         self._pipelines: list[PipelineRuntime] = []
@@ -326,54 +307,32 @@ class ThreeDParallelStrategy(ParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
 
     def setup(self, trainer: Trainer) -> None:
-        """Order (DESIGN.md): tensor-parallel plan -> precision -> ZeRO sharding -> optimizers."""
-        assert self.accelerator is not None and self.model is not None
+        """Lightning's side of set-up around :func:`~lightning_3d.parallelize.parallelize` (which applies
+        the layout in order: plan -> recompute -> pipeline -> precision -> placement -> ZeRO), then the
+        optimizers, wrapped by ZeRO."""
+        assert self.accelerator is not None and self.model is not None and self._rng_tracker is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        # the layout rules the planner uses too, on the models' shapes: every reason at once, before any sharding
-        self.config.check_models(self.lightning_module, tensor_parallel_plan=self._tp_plan is None)
-        if self.config.tensor_parallel > 1:
-            self._apply_tensor_parallel()
-        if self.config.activation_checkpointing != "none":
-            apply_activation_checkpointing(
-                self.lightning_module, self.config.activation_checkpointing, self.config.checkpoint_every_n_layers, self._rng_tracker
-            )
-        if self.config.pipeline_parallel > 1:
-            self._apply_pipeline()
-        if fitting and self.config.pipeline_parallel == 1:  # (the pipeline runtime weighs its micro-batches itself)
-            for _, model, sequence in find_sequences(self.lightning_module):
-                normalize_over_data_parallel(model, sequence, self.topology.dp_group)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         precision = self.precision_plugin
         assert isinstance(precision, ThreeDPrecision)
-        precision.topology, precision.device_type = self.topology, self.root_device.type
-        self.model = precision.convert_module(self.model)
-        topo = self.topology
-        on_meta = any(p.is_meta for p in self.model.parameters())
-        if on_meta and self.config.zero_stage != 3:
-            raise ValueError(
-                f"the model was built on the meta device, which only zero_stage=3 materializes (shard by shard); "
-                f"got zero_stage={self.config.zero_stage}. Build it on a real device, or use zero_stage=3."
-            )
-        if not on_meta:  # a meta model is materialized shard by shard by ZeRO-3 below
-            self.model_to_device()
-            self._synchronize_replicas()
+        done = parallelize(
+            self.model,
+            self.topology,
+            self.config,
+            precision=precision,
+            device=self.root_device,
+            rng_tracker=self._rng_tracker,
+            training=fitting,
+            bucket_bytes=self._bucket_bytes,
+            grad_sync_blocker=self.block_backward_sync,
+            tensor_parallel_plan=self._tp_plan,
+            pipeline_partition=self._pp_partition,
+            zero=self._zero,
+        )
+        self.model, self._zero, self._pipelines = done.module, done.zero, done.pipelines
         self._point_metrics_at_dp_group()
-        if self._zero is None:
-            self._zero = ZeroCoordinator(
-                self.config.zero_stage,
-                topo,
-                precision.compute_dtype,
-                precision.master_dtype,
-                self._bucket_bytes,
-                offload_optimizer=self.config.offload_optimizer,
-                offload_params=self.config.offload_params,
-                nvme_path=self.config.nvme_path,
-            )
-        self._zero.prepare_module(self.model, self.root_device)
-        if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks (and buffers) must agree
-            self._synchronize_replicas()
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers = self._zero.wrap_optimizers(self.model, self.optimizers)
@@ -384,74 +343,11 @@ class ThreeDParallelStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self._optimizer_state_device())
 
-    def _synchronize_replicas(self) -> None:
-        """Every copy of one weight starts equal, whatever the user seeded on each rank: tensors that
-        tensor-parallel ranks hold whole come from tp rank 0, the last pipeline stage's copy of a tied
-        embedding from the first stage, and each model replica from data-parallel rank 0."""
-        assert self.model is not None
-        topo = self.topology
-        broadcast_tensor_parallel_replicas(self.model, topo.tp_group, src=topo.tp_source_rank(), device=self.root_device)
-        for runtime in self._pipelines:
-            runtime.broadcast_tied()
-        broadcast_module_state(self.model, topo.dp_group, src=topo.dp_source_rank(), device=self.root_device)
-
     def memory_report(self) -> dict[str, Any]:
         """Per-rank bytes of parameters, gradients, master weights and optimizer state, with the
         ZeRO formula for this layout next to them (see :func:`lightning_3d.zero.memory.memory_report`)."""
         assert self.model is not None and self._zero is not None
         return memory_report(self.model, self.optimizers, self._zero, self.topology)
-
-    def _apply_tensor_parallel(self) -> None:
-        """Built-in plans for supported models inside the LightningModule, or the user's plan."""
-        module = self.lightning_module
-        assert module is not None and self._rng_tracker is not None
-        ctx = PlanContext(self.topology.tp_group, self.config.sequence_parallel, self._rng_tracker)
-        if self._tp_plan is not None:
-            plan = self._tp_plan if isinstance(self._tp_plan, TensorParallelPlan) else TensorParallelPlan(styles=dict(self._tp_plan))
-            apply_plan(module, plan, ctx)
-            return
-        found = find_plans(module)
-        if not found and not any(isinstance(m, PARALLEL_LAYERS) for m in module.modules()):
-            raise ValueError(
-                f"tensor_parallel={self.config.tensor_parallel}, but {type(module).__name__} contains no model with a "
-                f"built-in plan (GPT, LlamaForCausalLM, GPT2LMHeadModel) and no tensor-parallel layers. Build the "
-                f"model in configure_model(), or pass ThreeDParallelStrategy(tensor_parallel_plan={{...}})."
-            )
-        for _, model, plan in found:
-            apply_plan(model, plan, ctx)
-
-    def _apply_pipeline(self) -> None:
-        """Cut every pipelinable model inside the LightningModule into this rank's stage."""
-        module = self.lightning_module
-        assert module is not None
-        found = find_sequences(module)
-        if not found:
-            raise ValueError(
-                f"pipeline_parallel={self.config.pipeline_parallel}, but {type(module).__name__} contains no model the "
-                f"pipeline can split (GPT, LlamaForCausalLM, GPT2LMHeadModel). Give your model a "
-                f"`pipeline_sequence()` method returning a lightning_3d.pipeline.LayerSequence."
-            )
-        precision = self.precision_plugin
-        config = PipelineConfig(
-            schedule=self.config.pipeline_schedule,
-            virtual_stages=self.config.virtual_stages,
-            micro_batches=self.config.micro_batches,
-            partition=self._pp_partition,
-        )
-        self._pipelines = [
-            pipeline_model(
-                model,
-                sequence,
-                self.topology,
-                config,
-                grad_sync_blocker=lambda: self.block_backward_sync(),
-                rng_tracker=self._rng_tracker,
-                loss_scale=lambda: precision.scaler.scale if getattr(precision, "scaler", None) else 1.0,
-            )
-            for _, model, sequence in found
-        ]
-        for runtime in self._pipelines:
-            log.info("lightning_3d pipeline layout:\n%s", runtime.layout)
 
     @property
     def pipelines(self) -> list[PipelineRuntime]:
@@ -480,84 +376,33 @@ class ThreeDParallelStrategy(ParallelStrategy):
         with use_topology(self._topology):
             yield
 
-    # -- checkpoints: sharded (each rank writes its pieces) or consolidated (dense, one file) --------
+    # -- checkpoints: the format (lightning_3d/checkpoint/formats.py) does the work --------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """Restore into the parallelized model: each rank then reads only the tensors it holds."""
         return True
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Consolidated format: dense weights (the fp32 masters under mixed precision), every
-        pipeline stage's layers. Sharded format: nothing here -- ``save_checkpoint`` writes the pieces."""
-        assert self.lightning_module is not None
-        if self._checkpoint_format == "sharded":
-            return {}
-        masters = self._zero.dense_master_weights() if self._zero is not None else {}
-        state = full_state_dict(self.lightning_module, overrides=masters)
-        if self.config.pipeline_parallel > 1:
-            state = merge_over_group(state, self.topology.pp_group)
-        return state
+        return self._format.model_state(self._job())
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Consolidated format: dense and keyed by parameter name, so it loads under another layout."""
-        if self._checkpoint_format == "sharded":
-            return {}
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        state = optimizer.dense_state_dict() if isinstance(optimizer, ZeroOptimizer) else full_optimizer_state(optimizer)
-        assert self.lightning_module is not None
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        state = keyed_by_name(state, params, parameter_names(self.lightning_module))
-        if self.config.pipeline_parallel > 1:
-            state = merge_optimizer_states(state, self.topology.pp_group)
-        return state
+        return self._format.optimizer_state(self._job(), optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self._checkpoint_format == "consolidated":
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        if storage_options is not None:
-            raise TypeError("sharded checkpoints take no storage_options; use checkpoint_format='consolidated'.")
-        assert self.lightning_module is not None
-        names = parameter_names(self.lightning_module)
-        self.checkpointer.save(
-            checkpoint, str(filepath), self.lightning_module, self._raw_optimizers(), names, self._aliases(names), self._layout()
-        )
+        self._format.save(self._job(), checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir() or not path.exists():  # a sharded checkpoint (or an interrupted one: find the last good)
-            return self.checkpointer.load(str(path), weights_only=weights_only is not False, layout=self._layout())
-        return super().load_checkpoint(path, weights_only=weights_only)
+        return self._format.load(self._job(), Path(self.broadcast(str(checkpoint_path))), weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        check_compatible(module, checkpoint)  # one clear message before any shard-shape error
-        source = checkpoint["state_dict"]
-        dense = {k: source[k] for k in module.state_dict().keys() if k in source}  # other stages' layers skipped
-        module.load_state_dict(shard_state_dict(module, dense), strict=strict)
-        zero = self._zero
-        built = zero is not None and bool(zero.zero_optimizers)
-        # Masters that are a copy (mixed precision: fp32; offload: host or NVMe) must be loaded too, or
-        # the first step would copy the stale master over the loaded weights.
-        if (built and zero.separate_masters) or (not built and (self.precision_plugin.mixed or self.config.offload_optimizer != "none")):
-            by_param = {id(p): dense[n] for n, p in module.named_parameters() if n in dense}
-            if built:
-                zero.load_dense_master_weights(by_param)
-            else:
-                self._pending_master = by_param
+        pending = self._format.load_model_state(self._job(), checkpoint, strict=strict)
+        if pending is not None:  # the ZeRO optimizers do not exist yet: hand the masters over at set-up
+            self._pending_master = pending
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.lightning_module is not None
-        names = parameter_names(self.lightning_module)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            state = keyed_by_index(state, optimizer, names)
-            if isinstance(optimizer, ZeroOptimizer):
-                optimizer.load_state_dict(state)
-            else:
-                load_sharded_optimizer_state(optimizer, state)
-                _optimizer_to_device(optimizer, self._optimizer_state_device())
+        self._format.load_optimizer_states(self._job(), checkpoint)
 
     def _optimizer_state_device(self) -> torch.device:
         """Where a plain optimizer's state lives: with its parameters. Under ZeRO-3's CPU offload FSDP2
@@ -570,24 +415,28 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     @property
     def checkpointer(self) -> ShardedCheckpointer:
-        if self._checkpointer is None:
-            self._checkpointer = ShardedCheckpointer(self.topology, self._rng_tracker, self._async_checkpoint, self._keep_last_k)
-        return self._checkpointer
+        return self._format.checkpointer(self._job())
 
-    def _raw_optimizers(self) -> list[Any]:
-        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-
-    def _layout(self) -> dict[str, Any]:
-        d = self.parallel_dims
-        return {"dp": int(d.dp), "tp": d.tp, "pp": d.pp, "zero_stage": self.config.zero_stage, "virtual_stages": self.config.virtual_stages}
-
-    def _aliases(self, names: dict[int, list[str]]) -> list[list[str]]:
-        """Groups of names that are one tied weight (pipeline stages hold the two sides of a tie
-        separately: the runtimes remember the dense model's ties)."""
-        groups = [group for group in names.values() if len(group) > 1]
-        for prefix, runtime in self._pipeline_prefixes():
-            groups += [[f"{prefix}{n}" for n in group] for group in runtime.tied_groups]
-        return groups
+    def _job(self) -> JobState:
+        """The running job as a checkpoint format sees it."""
+        d = self._dims
+        tied = [[f"{prefix}{n}" for n in group] for prefix, runtime in self._pipeline_prefixes() for group in runtime.tied_groups]
+        return JobState(
+            module=self.lightning_module,
+            optimizers=[o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers],
+            topology=self._topology,
+            zero=self._zero,
+            layout={} if d is None else {
+                "dp": int(d.dp), "tp": d.tp, "pp": d.pp, "zero_stage": self.config.zero_stage, "virtual_stages": self.config.virtual_stages,
+            },
+            tied=tied,
+            rng_tracker=self._rng_tracker,
+            checkpoint_io=self.checkpoint_io,
+            is_global_zero=self.is_global_zero,
+            pipeline_parallel=self.config.pipeline_parallel,
+            state_device=self._optimizer_state_device,
+            separate_masters_expected=self.precision_plugin.mixed or self.config.offload_optimizer != "none",
+        )
 
     def _pipeline_prefixes(self) -> list[tuple[str, PipelineRuntime]]:
         module = self.lightning_module
@@ -684,13 +533,10 @@ class ThreeDParallelStrategy(ParallelStrategy):
             self._monitor.report(exception)
 
     def on_train_end(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.finalize()  # an asynchronous save is committed before fit returns
+        self._format.finalize()  # an asynchronous save is committed before fit returns
 
     def teardown(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.close()
-            self._checkpointer = None
+        self._format.close()
         if self._zero is not None:  # kept: ZeRO-3's sharding stays applied for a later validate/test
             self._zero.remove()
         if self._monitor is not None:

@@ -1,0 +1,205 @@
+"""``parallelize``: the one place that turns a dense model into this rank's part of the layout.
+
+The order is fixed and matters (DESIGN.md, "One training step"):
+
+1. check the layout against the models' shapes (every reason at once, before anything is sharded);
+2. tensor-parallel plan (built-in plans of the models found, or the user's plan);
+3. activation checkpointing (wraps whole blocks or their attention, after TP replaced the layers);
+4. pipeline split (keep this stage's blocks; the runtime takes over the forward);
+5. loss normalization over data parallel (pp == 1: the pipeline runtime weighs its micro-batches);
+6. precision dtype;
+7. materialize (the seam for meta-device models), device placement and replica sync;
+8. ZeRO (stage 0's reducer, stages 1-2's flat buffers, stage 3's ``fully_shard``).
+
+Each step is a small function, usable alone (tests, benchmarks). The strategy calls
+:func:`parallelize` from its ``setup`` and keeps only Lightning's wiring around it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_3d.activation_checkpointing import apply_activation_checkpointing
+from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
+from lightning_3d.config import ParallelConfig
+from lightning_3d.loss_normalization import normalize_over_data_parallel
+from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
+from lightning_3d.pipeline.sequences import find_sequences
+from lightning_3d.precision import ThreeDPrecision
+from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
+from lightning_3d.tensor_parallel.random import RNGStatesTracker
+from lightning_3d.topology import Topology
+from lightning_3d.zero.coordinator import ZeroCoordinator
+
+log = logging.getLogger(__name__)
+
+UserPlan = Union[TensorParallelPlan, dict[str, Any], None]
+
+
+@dataclass
+class Parallelized:
+    """What the strategy keeps of set-up: the (possibly replaced) root module, the pipeline runtimes
+    (one per pipelined model) and the ZeRO coordinator that owns gradients and optimizer wrapping."""
+
+    module: nn.Module
+    zero: ZeroCoordinator
+    pipelines: list[PipelineRuntime] = field(default_factory=list)
+
+
+def parallelize(
+    module: nn.Module,
+    topology: Topology,
+    config: ParallelConfig,
+    *,
+    precision: ThreeDPrecision,
+    device: torch.device,
+    rng_tracker: RNGStatesTracker,
+    training: bool,
+    bucket_bytes: int,
+    grad_sync_blocker: Callable[[], AbstractContextManager[Any]],
+    tensor_parallel_plan: UserPlan = None,
+    pipeline_partition: Union[str, list[int]] = "uniform",
+    zero: Optional[ZeroCoordinator] = None,
+) -> Parallelized:
+    """Apply the layout to ``module`` (the LightningModule) in place, in the order above.
+
+    Args:
+        precision: the strategy's ``ThreeDPrecision`` (dtype policy; its loss scale reaches the pipeline).
+        training: fitting (loss normalization applies only to training).
+        grad_sync_blocker: a context that suspends gradient communication (the pipeline runs many
+            backwards per step and must reduce once).
+        tensor_parallel_plan: the user's plan; ``None`` uses the built-in plans of the models found.
+        zero: the coordinator of an earlier set-up of the same module (``validate`` after ``fit``).
+    """
+    # the layout rules the planner uses too, on the models' shapes: every reason at once, before any sharding
+    config.check_models(module, tensor_parallel_plan=tensor_parallel_plan is None)
+    if config.tensor_parallel > 1:
+        apply_tensor_parallel(module, topology, config, rng_tracker, tensor_parallel_plan)
+    if config.activation_checkpointing != "none":
+        apply_activation_checkpointing(module, config.activation_checkpointing, config.checkpoint_every_n_layers, rng_tracker)
+    pipelines: list[PipelineRuntime] = []
+    if config.pipeline_parallel > 1:
+        pipelines = apply_pipeline(
+            module, topology, config,
+            partition=pipeline_partition,
+            grad_sync_blocker=grad_sync_blocker,
+            rng_tracker=rng_tracker,
+            loss_scale=lambda: precision.scaler.scale if getattr(precision, "scaler", None) else 1.0,
+        )
+    if training and config.pipeline_parallel == 1:  # (the pipeline runtime weighs its micro-batches itself)
+        for _, model, sequence in find_sequences(module):
+            normalize_over_data_parallel(model, sequence, topology.dp_group)
+    precision.topology, precision.device_type = topology, device.type
+    module = precision.convert_module(module)
+    on_meta = _materialize(module, config, device)
+    if not on_meta:  # a meta model is materialized shard by shard by ZeRO-3 below
+        module.to(device)
+        if zero is not None:
+            zero.module_moved(module)  # FSDP2 re-creates its parameters when moved
+        synchronize_replicas(module, topology, pipelines, device)
+    if zero is None:
+        zero = ZeroCoordinator(
+            config.zero_stage,
+            topology,
+            precision.compute_dtype,
+            precision.master_dtype,
+            bucket_bytes,
+            offload_optimizer=config.offload_optimizer,
+            offload_params=config.offload_params,
+            nvme_path=config.nvme_path,
+        )
+    zero.prepare_module(module, device)
+    if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks (and buffers) must agree
+        synchronize_replicas(module, topology, pipelines, device)
+    return Parallelized(module=module, zero=zero, pipelines=pipelines)
+
+
+def _materialize(module: nn.Module, config: ParallelConfig, device: torch.device) -> bool:
+    """SEAM: where a model built on the meta device gets real memory, before ZeRO.
+
+    Returns True when the model stays on the meta device for ZeRO-3 to materialize shard by shard
+    (``ZeroCoordinator.prepare_module``: each rank initializes only its own chunks). Today only
+    ZeRO-3 can do that; any other stage refuses a meta model. Loading pretrained weights (a
+    ``from_pretrained`` model arrives on the meta device at any ZeRO stage) belongs here: after the
+    plan, recompute and pipeline split (so each rank reads only its slices and stage), before ZeRO;
+    ``device`` is where such weights would go (unused today: placement follows in ``parallelize``).
+    """
+    on_meta = any(p.is_meta for p in module.parameters())
+    if on_meta and config.zero_stage != 3:
+        raise ValueError(
+            f"the model was built on the meta device, which only zero_stage=3 materializes (shard by shard); "
+            f"got zero_stage={config.zero_stage}. Build it on a real device, or use zero_stage=3."
+        )
+    return on_meta
+
+
+def apply_tensor_parallel(
+    root: nn.Module, topology: Topology, config: ParallelConfig, rng_tracker: RNGStatesTracker, plan: UserPlan = None
+) -> None:
+    """The user's plan on ``root``, or the built-in plan of every known model inside it."""
+    ctx = PlanContext(topology.tp_group, config.sequence_parallel, rng_tracker)
+    if plan is not None:
+        apply_plan(root, plan if isinstance(plan, TensorParallelPlan) else TensorParallelPlan(styles=dict(plan)), ctx)
+        return
+    found = find_plans(root)
+    if not found and not any(isinstance(m, PARALLEL_LAYERS) for m in root.modules()):
+        raise ValueError(
+            f"tensor_parallel={config.tensor_parallel}, but {type(root).__name__} contains no model with a "
+            f"built-in plan (GPT, LlamaForCausalLM, GPT2LMHeadModel) and no tensor-parallel layers. Build the "
+            f"model in configure_model(), or pass ThreeDParallelStrategy(tensor_parallel_plan={{...}})."
+        )
+    for _, model, model_plan in found:
+        apply_plan(model, model_plan, ctx)
+
+
+def apply_pipeline(
+    root: nn.Module,
+    topology: Topology,
+    config: ParallelConfig,
+    *,
+    partition: Union[str, list[int]] = "uniform",
+    grad_sync_blocker: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    rng_tracker: Optional[RNGStatesTracker] = None,
+    loss_scale: Callable[[], Any] = lambda: 1.0,
+) -> list[PipelineRuntime]:
+    """Cut every pipelinable model inside ``root`` into this rank's stage; returns their runtimes."""
+    found = find_sequences(root)
+    if not found:
+        raise ValueError(
+            f"pipeline_parallel={config.pipeline_parallel}, but {type(root).__name__} contains no model the "
+            f"pipeline can split (GPT, LlamaForCausalLM, GPT2LMHeadModel). Give your model a "
+            f"`pipeline_sequence()` method returning a lightning_3d.pipeline.LayerSequence."
+        )
+    pipeline_config = PipelineConfig(
+        schedule=config.pipeline_schedule,
+        virtual_stages=config.virtual_stages,
+        micro_batches=config.micro_batches,
+        partition=partition,
+    )
+    runtimes = [
+        pipeline_model(
+            model, sequence, topology, pipeline_config,
+            grad_sync_blocker=grad_sync_blocker, rng_tracker=rng_tracker, loss_scale=loss_scale,
+        )
+        for _, model, sequence in found
+    ]
+    for runtime in runtimes:
+        log.info("lightning_3d pipeline layout:\n%s", runtime.layout)
+    return runtimes
+
+
+def synchronize_replicas(module: nn.Module, topology: Topology, pipelines: list[PipelineRuntime], device: torch.device) -> None:
+    """Every copy of one weight starts equal, whatever the user seeded on each rank: tensors that
+    tensor-parallel ranks hold whole come from tp rank 0, the last pipeline stage's copy of a tied
+    embedding from the first stage, and each model replica from data-parallel rank 0."""
+    broadcast_tensor_parallel_replicas(module, topology.tp_group, src=topology.tp_source_rank(), device=device)
+    for runtime in pipelines:
+        runtime.broadcast_tied()
+    broadcast_module_state(module, topology.dp_group, src=topology.dp_source_rank(), device=device)
