@@ -33,6 +33,7 @@ from lightning_3d.loss_normalization import normalize_over_data_parallel
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.pipeline.sequences import find_sequences
 from lightning_3d.precision import ThreeDPrecision
+from lightning_3d.pretrained import has_pretrained, load_pretrained_
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 from lightning_3d.topology import Topology
@@ -115,29 +116,42 @@ def parallelize(
             offload_params=config.offload_params,
             nvme_path=config.nvme_path,
         )
-    zero.prepare_module(module, device)
+    zero.prepare_module(module, device, initialize=_pretrained_initializer(module, device))
     if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks (and buffers) must agree
         synchronize_replicas(module, topology, pipelines, device)
     return Parallelized(module=module, zero=zero, pipelines=pipelines)
 
 
 def _materialize(module: nn.Module, config: ParallelConfig, device: torch.device) -> bool:
-    """SEAM: where a model built on the meta device gets real memory, before ZeRO.
+    """Where a model built on the meta device gets real memory, before ZeRO.
 
-    Returns True when the model stays on the meta device for ZeRO-3 to materialize shard by shard
-    (``ZeroCoordinator.prepare_module``: each rank initializes only its own chunks). Today only
-    ZeRO-3 can do that; any other stage refuses a meta model. Loading pretrained weights (a
-    ``from_pretrained`` model arrives on the meta device at any ZeRO stage) belongs here: after the
-    plan, recompute and pipeline split (so each rank reads only its slices and stage), before ZeRO;
-    ``device`` is where such weights would go (unused today: placement follows in ``parallelize``).
+    A model from :func:`lightning_3d.from_pretrained` is allocated on ``device`` and filled here at
+    ZeRO stages 0-2: after the plan, recompute and pipeline split, so each rank reads only its
+    slices of its stage's weights. Returns True when the model stays on the meta device for ZeRO-3
+    to materialize shard by shard (``ZeroCoordinator.prepare_module``: random init, or the
+    pretrained weights of each rank's chunks); any other stage refuses a meta model.
     """
     on_meta = any(p.is_meta for p in module.parameters())
+    if on_meta and config.zero_stage != 3 and has_pretrained(module):
+        load_pretrained_(module, device)
+        on_meta = any(p.is_meta for p in module.parameters())
     if on_meta and config.zero_stage != 3:
         raise ValueError(
             f"the model was built on the meta device, which only zero_stage=3 materializes (shard by shard); "
             f"got zero_stage={config.zero_stage}. Build it on a real device, or use zero_stage=3."
         )
     return on_meta
+
+
+def _pretrained_initializer(module: nn.Module, device: torch.device) -> Optional[Callable[[], Any]]:
+    """ZeRO-3: what fills a ``from_pretrained`` model's shards instead of ``reset_parameters()``."""
+    if not has_pretrained(module):
+        return None
+
+    def load_pretrained_weights() -> None:
+        load_pretrained_(module, device)
+
+    return load_pretrained_weights
 
 
 def apply_tensor_parallel(

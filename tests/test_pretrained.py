@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning as L
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -408,6 +409,109 @@ def test_tp2_pp2_load_reads_only_each_ranks_quarter(tmp_path: Path) -> None:
         assert r["bytes_read"] == r["local_bytes"], (rank, r["bytes_read"])  # fp32 file into fp32: nothing more
         assert r["growth"] < m_bytes / 2 + LOAD_OVERHEAD_BYTES, (rank, r["growth"], m_bytes)
     print("peak RSS growth per rank (MB):", [round(r["growth"] / 2**20, 1) for r in results], "M:", round(m_bytes / 2**20, 1))
+
+
+# -- parity: the first loss of a loaded model equals Hugging Face's in one process -----------------------------
+class FirstBatch(L.Callback):
+    """Keeps this rank's first training batch (its input ids)."""
+
+    def __init__(self) -> None:
+        self.input_ids: Optional[list[list[int]]] = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.input_ids is None:
+            self.input_ids = batch[0].tolist()
+
+
+def pretrained_losses(root: str, family: str, layout: dict[str, Any], steps: int = 1) -> dict[str, Any]:
+    """``steps`` fine-tuning steps of the tiny ``family`` checkpoint under ``root`` with ``layout``
+    (ThreeDParallelStrategy keywords): this rank's losses and first batch."""
+    from lightning_3d import ThreeDParallelStrategy
+    from lightning_3d.models.hf_module import HFCausalLMModule
+    from tests.helpers import LossRecorder, quiet_trainer, tiny_data
+
+    L.seed_everything(0)
+    recorder, first = LossRecorder(), FirstBatch()
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, callbacks=[recorder, first], strategy=ThreeDParallelStrategy(**layout)
+    )
+    trainer.fit(HFCausalLMModule(str(Path(root) / family), lr=1e-3), tiny_data(global_batch_size=8))
+    return {"losses": recorder.losses, "input_ids": first.input_ids}
+
+
+def parity_world(root: str, cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Every case (family, layout) in one world, one after the other."""
+    from tests.helpers import run_checks
+
+    return run_checks({name: (lambda f=family, l=layout: pretrained_losses(root, f, l)) for name, (family, layout) in cases.items()})
+
+
+def hf_reference_loss(path: Path, input_ids: list[list[int]]) -> float:
+    """Hugging Face's own loss for the batch, one process, transformers' from_pretrained."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    ids = torch.tensor(input_ids)
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+# (family, ThreeDParallelStrategy keywords) per case; 2 ranks each
+PARITY_CASES_2 = {
+    "llama-tp2": ("llama", {"tensor_parallel": 2}),
+    "llama-pp2": ("llama", {"pipeline_parallel": 2}),
+    "llama-zero3-dp2": ("llama", {"zero_stage": 3}),
+    "gpt2-tp2": ("gpt2", {"tensor_parallel": 2}),
+}
+
+
+# 4 ranks: ZeRO-3 shards of tensor-parallel slices (dp2 x tp2); tensor and pipeline parallel together
+PARITY_CASES_4 = {
+    "llama-dp2-tp2-zero3": ("llama", {"tensor_parallel": 2, "zero_stage": 3}),
+    "gpt2-tp2-pp2": ("gpt2", {"tensor_parallel": 2, "pipeline_parallel": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hf")
+    save_tiny(root / "llama", "llama", seed=11)  # GQA (4 heads, 2 kv heads), tied embeddings
+    save_tiny(root / "gpt2", "gpt2", seed=12)  # Conv1D weights [in, out]: transposed slices under tp
+    return root
+
+
+@pytest.fixture(scope="module")
+def parity2(checkpoints: Path) -> list[dict[str, Any]]:
+    from lightning_3d.testing import run_on_ranks
+
+    return run_on_ranks(parity_world, 2, str(checkpoints), PARITY_CASES_2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def parity4(checkpoints: Path) -> list[dict[str, Any]]:
+    from lightning_3d.testing import run_on_ranks
+
+    return run_on_ranks(parity_world, 4, str(checkpoints), PARITY_CASES_4, timeout=240)
+
+
+def _check_parity(worlds: list[dict[str, Any]], checkpoints: Path, family: str, case: str) -> None:
+    """Every rank's first loss is transformers' loss on the batch that rank trained on."""
+    from tests.helpers import result_of
+
+    for rank, results in enumerate(worlds):
+        run = result_of(results, case)
+        expected = hf_reference_loss(checkpoints / family, run["input_ids"])
+        assert run["losses"][0] == pytest.approx(expected, rel=1e-5), (case, rank)
+
+
+@pytest.mark.parametrize("case", sorted(PARITY_CASES_2))
+def test_first_loss_equals_transformers(parity2: list[dict[str, Any]], checkpoints: Path, case: str) -> None:
+    _check_parity(parity2, checkpoints, PARITY_CASES_2[case][0], case)
+
+
+@pytest.mark.parametrize("case", sorted(PARITY_CASES_4))
+def test_first_loss_equals_transformers_4_ranks(parity4: list[dict[str, Any]], checkpoints: Path, case: str) -> None:
+    _check_parity(parity4, checkpoints, PARITY_CASES_4[case][0], case)
 
 
 # -- recipes and the CLI: model.init_from ------------------------------------------------------------------
