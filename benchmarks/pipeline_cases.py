@@ -18,9 +18,9 @@ from torch import nn
 
 from lightning_3d.data import TokenWindows, stdlib_bytes
 from lightning_3d.models import GPT, GPTConfig
+from lightning_3d.models.adapters.gpt import gpt_sequence
 from lightning_3d.pipeline.runtime import PipelineConfig, pipeline_model
 from lightning_3d.pipeline.schedules import theoretical_bubble
-from lightning_3d.pipeline.sequences import gpt_sequence
 from lightning_3d.testing import run_on_ranks
 from lightning_3d.topology import ParallelDims, Topology
 

@@ -4,39 +4,46 @@
   recomputed during backward (about one block input per layer stays alive).
 * ``"selective"`` (Korthikanti et al., 2022): only the attention core -- the softmax and
   attention-over-values part, whose activations grow with the square of the sequence but which
-  costs few FLOPs -- is recomputed. The reference GPT exposes it as ``AttentionCore``; for models
-  without one (Hugging Face), the attention sublayer is recomputed.
+  costs few FLOPs -- is recomputed. Which module that is, is the model family's knowledge (its
+  adapter's ``recompute_target``: the reference GPT's ``AttentionCore``); :func:`attention_of` is
+  the default for others (the attention sublayer).
 
 ``every_n_layers=k`` checkpoints blocks 0, k, 2k, ... Recompute uses torch's non-reentrant
 checkpoint; the tensor-parallel RNG tracker's states are replayed too, so dropout masks are
 identical in the recomputed forward.
+
+This module knows no model: :func:`lightning_3d.parallelize.apply_activation_checkpointing` finds
+the models and their targets and calls :func:`checkpoint_blocks`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_3d.pipeline.sequences import find_sequences
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 
 MODES = ("full", "selective")
 
 
-def _selective_target(block: nn.Module) -> nn.Module:
-    from lightning_3d.models.gpt import AttentionCore
-
-    for module in block.modules():
-        if isinstance(module, AttentionCore):
-            return module
+def attention_of(block: nn.Module) -> nn.Module:
+    """The attention sublayer of a transformer block (``self_attn``, ``attn`` or ``attention``)."""
     for name in ("self_attn", "attn", "attention"):
         if isinstance(getattr(block, name, None), nn.Module):
             return getattr(block, name)
     raise ValueError(f"selective activation checkpointing found no attention in {type(block).__name__}.")
+
+
+def check_mode(mode: str, every_n_layers: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpointing={mode!r}: choose one of {MODES}.")
+    if every_n_layers < 1:
+        raise ValueError(f"checkpoint_every_n_layers={every_n_layers} must be at least 1.")
 
 
 def checkpoint_forward(module: nn.Module, tracker: Optional[RNGStatesTracker] = None) -> None:
@@ -57,24 +64,19 @@ def checkpoint_forward(module: nn.Module, tracker: Optional[RNGStatesTracker] = 
     module._activation_checkpointed = True  # type: ignore[attr-defined]
 
 
-def apply_activation_checkpointing(
-    root: nn.Module, mode: str, every_n_layers: int = 1, tracker: Optional[RNGStatesTracker] = None
+def checkpoint_blocks(
+    blocks: Iterable[nn.Module],
+    mode: str,
+    every_n_layers: int = 1,
+    tracker: Optional[RNGStatesTracker] = None,
+    recompute_target: Callable[[nn.Module], nn.Module] = attention_of,
 ) -> int:
-    """Checkpoint the blocks of every model with a layer sequence inside ``root``; returns how many."""
-    if mode not in MODES:
-        raise ValueError(f"activation_checkpointing={mode!r}: choose one of {MODES}.")
-    if every_n_layers < 1:
-        raise ValueError(f"checkpoint_every_n_layers={every_n_layers} must be at least 1.")
-    found = find_sequences(root)
-    if not found:
-        raise ValueError(
-            f"activation_checkpointing={mode!r} found no model with a layer sequence in {type(root).__name__} "
-            f"(GPT, LlamaForCausalLM, GPT2LMHeadModel, or a model with pipeline_sequence())."
-        )
+    """Checkpoint blocks 0, n, 2n, ... of one model: whole (``"full"``) or their ``recompute_target``
+    (``"selective"``); returns how many."""
+    check_mode(mode, every_n_layers)
     count = 0
-    for _, _, sequence in found:
-        for i, block in enumerate(sequence.blocks):
-            if i % every_n_layers == 0:
-                checkpoint_forward(block if mode == "full" else _selective_target(block), tracker)
-                count += 1
+    for i, block in enumerate(blocks):
+        if i % every_n_layers == 0:
+            checkpoint_forward(block if mode == "full" else recompute_target(block), tracker)
+            count += 1
     return count

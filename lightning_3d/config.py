@@ -8,6 +8,7 @@ the fix.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -18,7 +19,6 @@ from lightning_3d.layout_rules import (
     batch_refusals,
     layout_refusals,
     model_refusals,
-    models_in,
     raise_refusals,
     world_refusals,
 )
@@ -157,12 +157,13 @@ class ParallelConfig:
             per_replica_batch=per_replica_batch,
         )
 
-    def check_models(self, root: Any, tensor_parallel_plan: bool = True) -> None:
+    def check_models(self, models: Iterable[tuple[str, ModelLike]], tensor_parallel_plan: bool = True) -> None:
         """At set-up, before anything is sharded: refuse, with every reason at once, a layout that the
-        shapes of the models inside ``root`` (reference GPT, HF Llama / GPT-2) cannot take.
-        ``tensor_parallel_plan=False``: the user's own plan decides what tensor parallelism splits."""
+        shapes of the models found in the LightningModule ((name, shape) pairs: the model adapters'
+        ``models_in``) cannot take. ``tensor_parallel_plan=False``: the user's own plan decides what
+        tensor parallelism splits."""
         reasons = []
-        for name, dims in models_in(root):
+        for name, dims in models:
             found = model_refusals(
                 tp=self.tensor_parallel,
                 pp=self.pipeline_parallel,

@@ -9,8 +9,9 @@ names the offending value and the fix -- instead of raising, so that
 * the planner proposes only layouts none of them refuses, and explains a ``--layout`` that one
   refuses (``lightning-3d plan`` exits 2 with the reasons).
 
-Nothing here needs processes or a model instance; :func:`models_in` reads the shapes of the
-models the strategy knows (the reference GPT, Hugging Face Llama and GPT-2) from their configs.
+Nothing here needs processes or a model instance, and nothing here knows a model: the shapes
+come in as :class:`ModelDims` (each model family's adapter describes its models:
+``lightning_3d.models.adapters``) or as the planner's ``ModelShape``.
 """
 
 from __future__ import annotations
@@ -283,57 +284,11 @@ def layout_refusals(
     return out
 
 
-# -- the models the strategy knows --------------------------------------------------------------------------
-def model_dims(module: Any) -> Optional[ModelDims]:
-    """The shape of a model with a built-in tensor-parallel plan and layer sequence (reference GPT,
-    HF ``LlamaForCausalLM``, HF ``GPT2LMHeadModel``), or None for any other module."""
-    from lightning_3d.models.gpt import GPT
-
-    if isinstance(module, GPT):
-        c = module.config
-        names = dict(n_layer="n_layer", hidden="n_embd", n_head="n_head", n_kv_head="n_kv_head", ffn="ffn_dim")
-        return ModelDims(
-            c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.ffn_dim,
-            labels={k: f"GPTConfig.{v}" for k, v in names.items()},
-        )
-    kind = type(module).__name__
-    c = getattr(module, "config", None)
-    if kind == "LlamaForCausalLM" and c is not None:
-        return ModelDims(
-            c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
-            c.intermediate_size,
-            labels=dict(
-                n_layer="num_hidden_layers", hidden="hidden_size", n_head="num_attention_heads",
-                n_kv_head="num_key_value_heads", ffn="intermediate_size",
-            ),
-        )
-    if kind == "GPT2LMHeadModel" and c is not None:
-        inner = c.n_inner if c.n_inner is not None else 4 * c.n_embd
-        return ModelDims(
-            c.n_layer, c.n_embd, c.n_head, c.n_head, inner,
-            labels=dict(n_layer="n_layer", hidden="n_embd", n_head="n_head", n_kv_head="n_head", ffn="n_inner"),
-        )
-    return None
-
-
-def models_in(root: Any) -> list[tuple[str, ModelDims]]:
-    """(name, shape) of the outermost known models inside ``root`` (an ``nn.Module``)."""
-    found: list[tuple[str, ModelDims]] = []
-    for name, module in root.named_modules():
-        if any(name.startswith(prefix + ".") or prefix == "" for prefix, _ in found):
-            continue
-        dims = model_dims(module)
-        if dims is not None:
-            found.append((name, dims))
-    return found
-
-
-def check_tensor_parallel(module: Any, tp: int) -> None:
-    """The built-in tensor-parallel plans' check: ``module`` (a model :func:`model_dims` knows) can be
-    split ``tp`` ways; raises :class:`LayoutRefused` naming every size that does not divide."""
-    dims = model_dims(module)
-    if dims is not None:
-        raise_refusals(tensor_parallel_refusals(tp, dims))
+# -- the built-in tensor-parallel plans' check --------------------------------------------------------------
+def check_tensor_parallel(model: ModelLike, tp: int) -> None:
+    """A tensor-parallel plan's check: a model of shape ``model`` (its adapter's ``dims``) can be split
+    ``tp`` ways; raises :class:`LayoutRefused` naming every size that does not divide."""
+    raise_refusals(tensor_parallel_refusals(tp, model))
 
 
 def raise_refusals(refusals: list[Refusal], prefix: str = "") -> None:

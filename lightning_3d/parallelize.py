@@ -26,15 +26,15 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_3d.activation_checkpointing import apply_activation_checkpointing
+from lightning_3d.activation_checkpointing import attention_of, check_mode, checkpoint_blocks
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.config import ParallelConfig
 from lightning_3d.loss_normalization import normalize_over_data_parallel
+from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
-from lightning_3d.pipeline.sequences import find_sequences
 from lightning_3d.precision import ThreeDPrecision
 from lightning_3d.pretrained import has_pretrained, load_pretrained_
-from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan, find_plans
+from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 from lightning_3d.topology import Topology
 from lightning_3d.zero.coordinator import ZeroCoordinator
@@ -80,7 +80,7 @@ def parallelize(
         zero: the coordinator of an earlier set-up of the same module (``validate`` after ``fit``).
     """
     # the layout rules the planner uses too, on the models' shapes: every reason at once, before any sharding
-    config.check_models(module, tensor_parallel_plan=tensor_parallel_plan is None)
+    config.check_models(models_in(module), tensor_parallel_plan=tensor_parallel_plan is None)
     if config.tensor_parallel > 1:
         apply_tensor_parallel(module, topology, config, rng_tracker, tensor_parallel_plan)
     if config.activation_checkpointing != "none":
@@ -95,7 +95,7 @@ def parallelize(
             loss_scale=lambda: precision.scaler.scale if getattr(precision, "scaler", None) else 1.0,
         )
     if training and config.pipeline_parallel == 1:  # (the pipeline runtime weighs its micro-batches itself)
-        for _, model, sequence in find_sequences(module):
+        for _, model, sequence, _ in find_sequences(module):
             normalize_over_data_parallel(model, sequence, topology.dp_group)
     precision.topology, precision.device_type = topology, device.type
     module = precision.convert_module(module)
@@ -162,15 +162,15 @@ def apply_tensor_parallel(
     if plan is not None:
         apply_plan(root, plan if isinstance(plan, TensorParallelPlan) else TensorParallelPlan(styles=dict(plan)), ctx)
         return
-    found = find_plans(root)
+    found = find_models(root)
     if not found and not any(isinstance(m, PARALLEL_LAYERS) for m in root.modules()):
         raise ValueError(
             f"tensor_parallel={config.tensor_parallel}, but {type(root).__name__} contains no model with a "
-            f"built-in plan (GPT, LlamaForCausalLM, GPT2LMHeadModel) and no tensor-parallel layers. Build the "
+            f"built-in plan (model families: {known_names()}) and no tensor-parallel layers. Build the "
             f"model in configure_model(), or pass ThreeDParallelStrategy(tensor_parallel_plan={{...}})."
         )
-    for _, model, model_plan in found:
-        apply_plan(model, model_plan, ctx)
+    for _, model, adapter in found:
+        apply_plan(model, adapter.tp_plan(model), ctx)
 
 
 def apply_pipeline(
@@ -188,7 +188,7 @@ def apply_pipeline(
     if not found:
         raise ValueError(
             f"pipeline_parallel={config.pipeline_parallel}, but {type(root).__name__} contains no model the "
-            f"pipeline can split (GPT, LlamaForCausalLM, GPT2LMHeadModel). Give your model a "
+            f"pipeline can split (model families: {known_names()}). Give your model a "
             f"`pipeline_sequence()` method returning a lightning_3d.pipeline.LayerSequence."
         )
     pipeline_config = PipelineConfig(
@@ -202,11 +202,30 @@ def apply_pipeline(
             model, sequence, topology, pipeline_config,
             grad_sync_blocker=grad_sync_blocker, rng_tracker=rng_tracker, loss_scale=loss_scale,
         )
-        for _, model, sequence in found
+        for _, model, sequence, _ in found
     ]
     for runtime in runtimes:
         log.info("lightning_3d pipeline layout:\n%s", runtime.layout)
     return runtimes
+
+
+def apply_activation_checkpointing(
+    root: nn.Module, mode: str, every_n_layers: int = 1, tracker: Optional[RNGStatesTracker] = None
+) -> int:
+    """Checkpoint the blocks of every model with a layer sequence inside ``root`` (``"selective"``:
+    their family's recompute target); returns how many modules now recompute."""
+    check_mode(mode, every_n_layers)
+    found = find_sequences(root)
+    if not found:
+        raise ValueError(
+            f"activation_checkpointing={mode!r} found no model with a layer sequence in {type(root).__name__} "
+            f"(model families: {known_names()}; or a model with pipeline_sequence())."
+        )
+    count = 0
+    for _, _, sequence, adapter in found:
+        target = adapter.recompute_target if adapter is not None else attention_of
+        count += checkpoint_blocks(sequence.blocks, mode, every_n_layers, tracker, target)
+    return count
 
 
 def synchronize_replicas(module: nn.Module, topology: Topology, pipelines: list[PipelineRuntime], device: torch.device) -> None:

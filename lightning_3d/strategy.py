@@ -103,8 +103,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         nvme_path: directory for NVMe offload files.
         timeout: seconds (or ``timedelta``) any collective may take before the job fails.
         tensor_parallel_plan: module-name patterns -> styles (see :mod:`lightning_3d.tensor_parallel.plans`),
-            applied to the LightningModule; ``None`` uses the built-in plan of every supported model
-            inside it (the reference GPT, HF Llama, HF GPT-2).
+            applied to the LightningModule; ``None`` uses the built-in plan of every model inside it
+            that a registered family knows (``lightning_3d.models.adapters``: our GPT, HF Llama, GPT-2, Qwen2).
         pipeline_partition: how layers are cut into stages: ``"uniform"``, ``"parameters"`` or a list of the
             block indices where stages 2.. start.
         checkpoint_format: ``"sharded"`` (a directory, each rank writes its pieces; loads under any layout)

@@ -224,7 +224,7 @@ def masked_replica() -> dict[str, float]:
     """dp=2 where rank 0's targets are all masked: its share of the batch mean is zero (not 0/0 = NaN),
     and the averaged gradient is one process's on the whole batch."""
     from lightning_3d.loss_normalization import normalize_over_data_parallel
-    from lightning_3d.pipeline.sequences import gpt_sequence
+    from lightning_3d.models.adapters.gpt import gpt_sequence
 
     config = GPTConfig(**TINY_GPT)
     g = torch.Generator().manual_seed(3)
@@ -424,7 +424,8 @@ def gpt2_attention_dropout() -> dict[str, Any]:
     residual dropout after the all-reduce is the same on both."""
     import transformers
 
-    from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan, gpt2_plan
+    from lightning_3d.models.adapters.gpt2 import GPT2
+    from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan
     from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
 
     torch.manual_seed(0)
@@ -435,7 +436,7 @@ def gpt2_attention_dropout() -> dict[str, Any]:
     model = transformers.GPT2LMHeadModel(config)
     tracker = RNGStatesTracker()
     seed_tracker(tracker, dist.get_rank(), base_seed=0)
-    apply_plan(model, gpt2_plan(model), PlanContext(dist.group.WORLD, False, tracker))
+    apply_plan(model, GPT2.tp_plan(model), PlanContext(dist.group.WORLD, False, tracker))
     model.train()
     masks: dict[float, list[torch.Tensor]] = {}
     original = F.dropout

@@ -32,14 +32,16 @@ import torch
 from torch import nn
 
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
-from lightning_3d.activation_checkpointing import _selective_target, apply_activation_checkpointing
+from lightning_3d.activation_checkpointing import attention_of
 from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.sharded import FORMAT, ShardedCheckpoint, _crc32, latest_complete, read_manifest
 from lightning_3d.data import TextDataModule, TokenWindows
 from lightning_3d.data.corpus import prepare_byte_tokens, read_token_file, split_tokens
 from lightning_3d.models import GPT, GPTConfig
+from lightning_3d.models.adapters.gpt import gpt_plan
+from lightning_3d.models.adapters.hf_common import _hf_inputs
+from lightning_3d.parallelize import apply_activation_checkpointing
 from lightning_3d.pipeline.partition import partition
-from lightning_3d.pipeline.sequences import _hf_inputs
 from lightning_3d.planner import problem_from_config
 from lightning_3d.planner.cli import parse_layout
 from lightning_3d.planner.hardware import ClusterSpec, DeviceSpec, load_cluster
@@ -49,7 +51,7 @@ from lightning_3d.planner.search import Planner, Problem, best_completion
 from lightning_3d.precision import DynamicLossScaler, ThreeDPrecision, global_grad_norm
 from lightning_3d.recipe import compose_config
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_3d.tensor_parallel.plans import PlanContext, TensorParallelPlan, apply_plan, gpt_plan
+from lightning_3d.tensor_parallel.plans import PlanContext, TensorParallelPlan, apply_plan
 from lightning_3d.zero.coordinator import ZeroCoordinator
 from lightning_3d.zero.fsdp import apply_zero3
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore
@@ -262,7 +264,7 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "recompute-mode": raises(ValueError, lambda: ParallelConfig(activation_checkpointing="sometimes")),
     "recompute-every-n": raises(ValueError, lambda: ParallelConfig(checkpoint_every_n_layers=0)),
     "recompute-no-sequence": raises(ValueError, lambda: apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), "full")),
-    "recompute-no-attention": raises(ValueError, lambda: _selective_target(nn.Linear(2, 2))),
+    "recompute-no-attention": raises(ValueError, lambda: attention_of(nn.Linear(2, 2))),
     # tensor-parallel plans
     "tp-heads": raises(ValueError, lambda: gpt_plan_check(4, n_head=2)),
     "tp-kv-heads": raises(ValueError, lambda: gpt_plan_check(2, n_head=2, n_kv_head=1)),

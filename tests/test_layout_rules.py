@@ -18,7 +18,8 @@ from lightning_3d.planner import Planner, Problem, Software, best_completion, pr
 from lightning_3d.pipeline.partition import partition
 from lightning_3d.planner.cli import plan_main
 from lightning_3d.recipe import compose_config
-from lightning_3d.tensor_parallel.plans import gpt_plan
+from lightning_3d.models.adapters.gpt import GPT_ADAPTER, gpt_plan
+from lightning_3d.models.adapters.registry import models_in
 from lightning_3d.testing import run_on_ranks
 
 from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
@@ -227,7 +228,7 @@ class _Holder(nn.Module):
 
 def test_strategy_check_of_the_model_names_every_reason_at_once():
     with pytest.raises(ValueError) as info:
-        ParallelConfig(tensor_parallel=3, pipeline_parallel=3).check_models(_Holder())
+        ParallelConfig(tensor_parallel=3, pipeline_parallel=3).check_models(models_in(_Holder()))
     message = str(info.value)
     for excerpt in (
         "model 'model': GPTConfig.n_head=4 is not divisible by tensor_parallel=3",
@@ -237,14 +238,12 @@ def test_strategy_check_of_the_model_names_every_reason_at_once():
         "pieces need at least 3 layers, but the model has 2 (GPTConfig.n_layer=2)",
     ):
         assert excerpt in message
-    ParallelConfig(tensor_parallel=2, pipeline_parallel=2).check_models(_Holder())  # fine
+    ParallelConfig(tensor_parallel=2, pipeline_parallel=2).check_models(models_in(_Holder()))  # fine
     # a user's own tensor-parallel plan decides what it splits: only the pipeline rule applies
-    ParallelConfig(tensor_parallel=3).check_models(_Holder(), tensor_parallel_plan=False)
+    ParallelConfig(tensor_parallel=3).check_models(models_in(_Holder()), tensor_parallel_plan=False)
 
 
 def test_models_in_finds_the_outermost_known_models():
-    from lightning_3d.layout_rules import models_in
-
     holder = _Holder(n_kv_head=2, ffn_hidden=96)
     ((name, dims),) = models_in(holder)
     assert name == "model"
@@ -268,7 +267,7 @@ def test_the_tensor_parallel_plan_checks_with_the_shared_rules(heads, kv, ffn):
             assert [r.rule for r in info.value.refusals] == [r.rule for r in expected]  # type: ignore[attr-defined]
         else:
             plan.check(model, tp)  # type: ignore[misc]
-            check_tensor_parallel(model, tp)
+            check_tensor_parallel(GPT_ADAPTER.dims(model), tp)
 
 
 def refused_at_setup() -> str:

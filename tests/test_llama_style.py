@@ -17,14 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.activation_checkpointing import apply_activation_checkpointing
-from lightning_3d.checkpoint.consolidate import consolidate, export_hf, gpt_to_gpt2
+from lightning_3d.checkpoint.consolidate import consolidate, export_hf
 from lightning_3d.models import GPT, GPTConfig, GPTModule
+from lightning_3d.models.adapters.gpt import GPT_ADAPTER, gpt_plan, gpt_sequence
 from lightning_3d.models.gpt import apply_rotary, rotary_cos_sin
-from lightning_3d.pipeline.sequences import gpt_sequence
+from lightning_3d.parallelize import apply_activation_checkpointing
 from lightning_3d.tensor_parallel import PlanContext, RNGStatesTracker, apply_plan
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear
-from lightning_3d.tensor_parallel.plans import gpt_plan
 from lightning_3d.tensor_parallel.random import seed_tracker
 from lightning_3d.testing import run_on_ranks
 from tests.helpers import STEPS, TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data
@@ -176,10 +175,15 @@ def test_plan_refuses_kv_heads_not_divisible_by_tp_before_sharding():
     assert styles["blocks.*.mlp.down_proj"] == "row" and styles["blocks.*.ln_1"] == "sequence_norm"
 
 
+def test_llama_style_export_is_not_implemented_yet():
+    with pytest.raises(NotImplementedError, match="LlamaForCausalLM is not implemented yet.*use `consolidate`"):
+        GPT_ADAPTER.hf_export(asdict(llama()))
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({}, "position='rope'"),
+        (dict(mlp="gelu"), "position='rope'"),
         (dict(position="learned", mlp="gelu", norm="layernorm"), "n_kv_head=2 (GPT-2: 4)"),
         (dict(position="learned", n_kv_head=None, norm="layernorm"), "mlp='swiglu'"),
         (dict(position="learned", n_kv_head=None, mlp="gelu"), "norm='rmsnorm'"),
@@ -187,15 +191,16 @@ def test_plan_refuses_kv_heads_not_divisible_by_tp_before_sharding():
 )
 def test_gpt2_export_refuses_other_architectures(overrides, named):
     with pytest.raises(ValueError, match="not GPT-2 architecture") as err:
-        gpt_to_gpt2({}, asdict(llama(**overrides)))
+        GPT_ADAPTER.hf_export(asdict(llama(**overrides)))
     assert named in str(err.value) and "use `consolidate`" in str(err.value)
 
 
 def test_gpt2_export_still_takes_gpt2_without_biases_or_ties():
     pytest.importorskip("transformers")
     config = llama(position="learned", n_kv_head=None, mlp="gelu", norm="layernorm")  # bias=False, untied
-    hf, state = gpt_to_gpt2(GPT(config).state_dict(), asdict(config))
-    assert not hf.tie_word_embeddings and "transformer.wpe.weight" in state
+    hf, tensors = GPT_ADAPTER.hf_export(asdict(config))
+    keys = {t.key for t in tensors}
+    assert not hf.tie_word_embeddings and {"transformer.wpe.weight", "lm_head.weight"} <= keys
 
 
 # -- layout invariance -----------------------------------------------------------------------------------
@@ -320,7 +325,7 @@ def test_kv_heads_not_divisible_by_tp_is_refused_before_sharding(two):
 
 def test_tp2_checkpoint_consolidates_and_refuses_gpt2_export(two, tmp_path):
     run = result_of(two[0], "tp2")
-    with pytest.raises(ValueError, match="not GPT-2 architecture.*use `consolidate`"):
+    with pytest.raises(NotImplementedError, match="not implemented yet.*use `consolidate`"):
         export_hf(run["path"], str(tmp_path / "hf"))
     dense = consolidate(run["path"], str(tmp_path / "llama.ckpt"))["out"]
     module = GPTModule.load_from_checkpoint(dense, weights_only=True)

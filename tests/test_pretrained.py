@@ -360,9 +360,9 @@ def tp2_pp2_load_memory(path: str) -> dict[str, Any]:
     from safetensors import safe_open
 
     from lightning_3d.checkpoint.safetensors_format import weight_files
+    from lightning_3d.models.adapters.llama import LLAMA, llama_sequence
     from lightning_3d.pipeline.runtime import PipelineConfig, pipeline_model
-    from lightning_3d.pipeline.sequences import llama_sequence
-    from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan, llama_plan
+    from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan
     from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
     from lightning_3d.tensor_parallel.spec import get_spec, shard_like
     from lightning_3d.topology import ParallelDims, Topology
@@ -375,7 +375,7 @@ def tp2_pp2_load_memory(path: str) -> dict[str, Any]:
     _reset_peak_rss()
     before = _rss_bytes()
     model = from_pretrained(path)
-    apply_plan(model, llama_plan(model), PlanContext(topology.tp_group, False, tracker))
+    apply_plan(model, LLAMA.tp_plan(model), PlanContext(topology.tp_group, False, tracker))
     pipeline_model(model, llama_sequence(model), topology, PipelineConfig())
     report = load_pretrained_(model, torch.device("cpu"))
     growth = _peak_rss_bytes() - before

@@ -17,7 +17,7 @@ from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.checkpoint.consolidated import full_state_dict
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.tensor_parallel import PlanContext, RNGStatesTracker, TensorParallelPlan, apply_plan
-from lightning_3d.tensor_parallel.plans import gpt_plan
+from lightning_3d.models.adapters.gpt import gpt_plan
 from lightning_3d.tensor_parallel.random import seed_tracker
 from lightning_3d.testing import run_on_ranks
 from tests.helpers import STEPS, TINY_GPT, LossRecorder, gpt_losses, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
@@ -254,10 +254,12 @@ def _error_of(fn: Any) -> str:
 
 
 def bad_inputs() -> dict[str, str]:
-    from lightning_3d.tensor_parallel.plans import builtin_plan
+    from lightning_3d.models.adapters import adapter_for
 
     def plan_on(model: nn.Module, sequence_parallel: bool = False) -> None:
-        apply_plan(model, builtin_plan(model), _tp_context(sequence_parallel))
+        adapter = adapter_for(model)
+        assert adapter is not None
+        apply_plan(model, adapter.tp_plan(model), _tp_context(sequence_parallel))
 
     def llama(**overrides: Any) -> nn.Module:
         import transformers

@@ -1,6 +1,8 @@
 """Turn a sharded checkpoint into one dense file, or into a Hugging Face model directory.
 
-Runs in one process, needs no GPU and not the world size the checkpoint was written with.
+Runs in one process, needs no GPU and not the world size the checkpoint was written with. What a
+model's tensors are called in Hugging Face's format is the model family's knowledge: its adapter
+gives the mapping, found through the adapter registry (the one way generic code reaches models).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_3d.checkpoint.sharded import LazyDense, LazyOptimizerState, ShardedCheckpoint, latest_complete
+from lightning_3d.models.adapters.registry import adapter_for_hf_config, adapter_named
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,96 +68,39 @@ def consolidate(path: str, out: str, dtype: Optional[str] = None, weights_only: 
     return {"out": str(target), "tensors": len(state), "bytes": target.stat().st_size, "from": str(checkpoint.path)}
 
 
-# -- Hugging Face export -----------------------------------------------------------------------------------
+# -- Hugging Face export: the model family's adapter gives config and key mapping ----------------------------------
 def _strip(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def _require_gpt2_architecture(cfg: Any) -> None:
-    """GPT-2 has learned positions, a GELU MLP, LayerNorm and one key/value head per query head;
-    a GPTConfig with Llama-style options has weights GPT-2 cannot hold (or would silently compute
-    differently with), so refuse rather than write a model that loads but is wrong. ``bias=False``
-    (zero biases) and untied heads (``tie_word_embeddings=False``) are representable and exported."""
-    differences = [
-        f"{name}={value!r} (GPT-2: {gpt2!r})"
-        for name, value, gpt2 in (
-            ("position", cfg.position, "learned"),
-            ("mlp", cfg.mlp, "gelu"),
-            ("norm", cfg.norm, "layernorm"),
-            ("n_kv_head", cfg.kv_heads, cfg.n_head),
-        )
-        if value != gpt2
-    ]
-    if differences:
-        raise ValueError(
-            f"this GPT is not GPT-2 architecture ({', '.join(differences)}), so it cannot be exported as a "
-            f"Hugging Face GPT2LMHeadModel; use `consolidate` (lightning-3d consolidate CKPT_DIR OUT) for a dense "
-            f"checkpoint that GPTModule.load_from_checkpoint loads."
-        )
-
-
-def gpt_to_gpt2(state: dict[str, Tensor], config: dict[str, Any]) -> tuple[Any, dict[str, Tensor]]:
-    """Our GPT's weights as a ``transformers`` GPT2LMHeadModel (same architecture: pre-norm blocks,
-    tanh-GELU MLP, learned positions, tied head)."""
-    from transformers import GPT2Config
-
-    from lightning_3d.models.gpt import GPTConfig
-
-    cfg = GPTConfig(**config)
-    _require_gpt2_architecture(cfg)
-    hf = GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
-        n_inner=cfg.ffn_dim, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=None, eos_token_id=None,
-    )
-
-    def bias(name: str, size: int) -> Tensor:
-        return state.get(name, torch.zeros(size))
-
-    out = {"transformer.wte.weight": state["wte.weight"], "transformer.wpe.weight": state["wpe.weight"]}
-    e, f = cfg.n_embd, cfg.ffn_dim
-    for i in range(cfg.n_layer):
-        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
-        for norm in ("ln_1", "ln_2"):
-            out[f"{dst}{norm}.weight"] = state[f"{src}{norm}.weight"]
-            out[f"{dst}{norm}.bias"] = bias(f"{src}{norm}.bias", e)
-        qkv = [f"{src}attn.{p}_proj" for p in "qkv"]
-        out[f"{dst}attn.c_attn.weight"] = torch.cat([state[f"{n}.weight"] for n in qkv]).t().contiguous()
-        out[f"{dst}attn.c_attn.bias"] = torch.cat([bias(f"{n}.bias", e) for n in qkv])
-        out[f"{dst}attn.c_proj.weight"] = state[f"{src}attn.o_proj.weight"].t().contiguous()
-        out[f"{dst}attn.c_proj.bias"] = bias(f"{src}attn.o_proj.bias", e)
-        out[f"{dst}mlp.c_fc.weight"] = state[f"{src}mlp.fc.weight"].t().contiguous()
-        out[f"{dst}mlp.c_fc.bias"] = bias(f"{src}mlp.fc.bias", f)
-        out[f"{dst}mlp.c_proj.weight"] = state[f"{src}mlp.proj.weight"].t().contiguous()
-        out[f"{dst}mlp.c_proj.bias"] = bias(f"{src}mlp.proj.bias", e)
-    out["transformer.ln_f.weight"] = state["ln_f.weight"]
-    out["transformer.ln_f.bias"] = bias("ln_f.bias", e)
-    out["lm_head.weight"] = state["lm_head.weight"] if "lm_head.weight" in state else state["wte.weight"]
-    return hf, out
-
-
 def export_hf(path: str, out_dir: str, prefix: str = "model.", hf_config: Optional[str] = None, dtype: Optional[str] = None) -> dict[str, Any]:
     """Write a ``from_pretrained``-loadable directory. ``hf_config`` (a config.json or a model
-    directory) for Hugging Face models trained inside a LightningModule; without it the checkpoint
-    must hold the reference GPT (``GPTModule``), exported as GPT-2."""
+    directory) for Hugging Face models trained inside a LightningModule (the adapter of its
+    ``model_type``); without it the checkpoint must hold the reference GPT (``GPTModule``: the ``gpt``
+    adapter, which exports GPT-2 architecture)."""
     import transformers
 
     checkpoint = ShardedCheckpoint(latest_complete(Path(path), fallback=False))
     state = _strip(dense_state_dict(checkpoint), prefix)
     if hf_config is not None:
-        config = transformers.AutoConfig.from_pretrained(hf_config)
+        model_config: Any = transformers.AutoConfig.from_pretrained(hf_config)
+        adapter = adapter_for_hf_config(model_config)
     else:
         hparams = checkpoint.meta().get("hyper_parameters", {})
         if "config" not in hparams:
             raise ValueError("this checkpoint is not of GPTModule: pass hf_config=<config.json of the Hugging Face model>.")
-        config, state = gpt_to_gpt2(state, hparams["config"])
+        model_config, adapter = hparams["config"], adapter_named("gpt")
+    config, tensors = adapter.hf_export(model_config)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    what = type(model).__name__
+    lacking = sorted({s for t in tensors for s in t.sources if s not in state})
+    if lacking:
+        raise ValueError(f"export: the checkpoint does not match {what}: it lacks {lacking}.")
+    missing, unexpected = model.load_state_dict({t.key: t.combine([state[s] for s in t.sources]) for t in tensors}, strict=False)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"export: the checkpoint does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}.")
+        raise ValueError(f"export: the checkpoint does not match {what}: missing {missing}, unexpected {unexpected}.")
     if dtype is not None:
         model = model.to(DTYPES[dtype])
     model.save_pretrained(out_dir)
-    return {"out": out_dir, "model": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters())}
+    return {"out": out_dir, "model": what, "parameters": sum(p.numel() for p in model.parameters())}

@@ -24,8 +24,7 @@ from lightning_3d.tensor_parallel.plans import (
     TensorParallelPlan,
     VocabEmbedding,
     apply_plan,
-    builtin_plan,
-    find_plans,
+    gather_logits_hook,
 )
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 from lightning_3d.tensor_parallel.spec import TPSpec, get_spec
@@ -49,9 +48,8 @@ __all__ = [
     "VocabEmbedding",
     "VocabParallelEmbedding",
     "apply_plan",
-    "builtin_plan",
     "copy_to_tensor_parallel",
-    "find_plans",
+    "gather_logits_hook",
     "gather_from_sequence_parallel",
     "gather_from_tensor_parallel",
     "get_spec",

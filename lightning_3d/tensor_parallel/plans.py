@@ -19,8 +19,8 @@ to styles. Styles are strings for the common cases or :class:`Style` objects:
 ``"sequence_rng"``  ``"rng"`` only under sequence parallel (dropout on a sequence shard)
 =================  ==========================================================================
 
-Built-in plans exist for the reference :class:`~lightning_3d.models.gpt.GPT` and Hugging Face
-``LlamaForCausalLM`` and ``GPT2LMHeadModel``; :func:`find_plans` picks them by model class.
+This module knows no model: each model family's plan lives in its adapter
+(``lightning_3d/models/adapters/``), which ``parallelize`` finds through the registry.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Any, Callable, Optional, Union
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss, vocab_parallel_cross_entropy
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lightning_3d.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
@@ -284,9 +283,10 @@ def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
             setattr(_get(model, m), a, getattr(_get(model, first_module), first_attr))
 
 
-# -- built-in plans --------------------------------------------------------------------------------------
-def _gather_logits_hook(vocab_size: int, ctx: PlanContext) -> Callable[..., Any]:
-    """Without targets a model returns logits: give callers the full vocabulary, as at tp=1."""
+# -- shared by the model families' plans (lightning_3d/models/adapters) ------------------------------------
+def gather_logits_hook(vocab_size: int, ctx: PlanContext) -> Callable[..., Any]:
+    """Without targets a model returns logits: give callers the full vocabulary, as at tp=1 (a plan's
+    ``finalize`` registers it as the model's forward hook; the loss stays vocab-parallel)."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         if isinstance(output, Tensor):  # GPT: a 0-dim loss with targets, logits without
@@ -296,144 +296,3 @@ def _gather_logits_hook(vocab_size: int, ctx: PlanContext) -> Callable[..., Any]
         return output
 
     return hook
-
-
-def gpt_plan(model: nn.Module) -> TensorParallelPlan:
-    """Megatron-style plan for the reference GPT, in its GPT-2 or Llama-style variants.
-
-    q/k/v are column-parallel and o is row-parallel, so each rank attends with whole heads: with
-    grouped-query attention a rank holds ``n_head/tp`` query heads and ``n_kv_head/tp`` key/value
-    heads, and because heads are split in order, its query heads are exactly the ones its key/value
-    heads serve. SwiGLU's gate and up are column-parallel (matching columns on a rank, so the
-    elementwise product stays local) and down is row-parallel: one all-reduce per MLP, as for GELU.
-    RMSNorm is marked for sequence parallel like LayerNorm (its weight sees a sequence shard).
-    """
-    config = model.config
-
-    def check(m: nn.Module, world: int) -> None:
-        from lightning_3d.layout_rules import check_tensor_parallel  # the rules the strategy and planner share
-
-        check_tensor_parallel(m, world)
-
-    def finalize(m: nn.Module, ctx: PlanContext) -> None:
-        m.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp_group=ctx.tp_group, vocab_size=config.vocab_size)
-        m.register_forward_hook(_gather_logits_hook(config.vocab_size, ctx))
-
-    styles: dict[str, StyleSpec] = {"wte": "vocab"}
-    if config.position == "learned":
-        styles["wpe"] = "sequence_split"
-    styles.update(
-        {
-            "drop": "sequence_rng",
-            "blocks.*.ln_1": "sequence_norm",
-            "blocks.*.attn": "prepare_input",
-            "blocks.*.attn.q_proj": "column_prepared",
-            "blocks.*.attn.k_proj": "column_prepared",
-            "blocks.*.attn.v_proj": "column_prepared",
-            "blocks.*.attn.core": "rng",
-            "blocks.*.attn.o_proj": "row",
-            "blocks.*.attn.resid_dropout": "sequence_rng",
-            "blocks.*.ln_2": "sequence_norm",
-        }
-    )
-    if config.mlp == "swiglu":
-        styles.update(
-            {
-                "blocks.*.mlp": "prepare_input",
-                "blocks.*.mlp.gate_proj": "column_prepared",
-                "blocks.*.mlp.up_proj": "column_prepared",
-                "blocks.*.mlp.down_proj": "row",
-            }
-        )
-    else:
-        styles.update({"blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"})
-    styles.update({"blocks.*.mlp.dropout": "sequence_rng", "ln_f": "sequence_norm", "lm_head": "vocab_head"})
-    return TensorParallelPlan(name="GPT", styles=styles, check=check, finalize=finalize)
-
-
-def _hf_finalize(vocab_size: int) -> Callable[[nn.Module, PlanContext], None]:
-    def finalize(m: nn.Module, ctx: PlanContext) -> None:
-        m.loss_function = CausalLMLoss(ctx.tp_group, vocab_size)
-        m.register_forward_hook(_gather_logits_hook(vocab_size, ctx))
-
-    return finalize
-
-
-def llama_plan(model: nn.Module) -> TensorParallelPlan:
-    config = model.config
-
-    def check(m: nn.Module, world: int) -> None:
-        from lightning_3d.layout_rules import check_tensor_parallel  # the rules the strategy and planner share
-
-        check_tensor_parallel(m, world)
-
-    return TensorParallelPlan(
-        name="LlamaForCausalLM",
-        styles={
-            "model.embed_tokens": "vocab",
-            # attention-probability dropout happens inside self_attn, on this rank's heads
-            "model.layers.*.self_attn": ["prepare_input", "rng"],
-            "model.layers.*.self_attn.q_proj": "column_prepared",
-            "model.layers.*.self_attn.k_proj": "column_prepared",
-            "model.layers.*.self_attn.v_proj": "column_prepared",
-            "model.layers.*.self_attn.o_proj": "row",
-            "model.layers.*.mlp": "prepare_input",
-            "model.layers.*.mlp.gate_proj": "column_prepared",
-            "model.layers.*.mlp.up_proj": "column_prepared",
-            "model.layers.*.mlp.down_proj": "row",
-            "lm_head": "vocab_head",
-        },
-        check=check,
-        finalize=_hf_finalize(config.vocab_size),
-        supports_sequence_parallel=False,
-    )
-
-
-def gpt2_plan(model: nn.Module) -> TensorParallelPlan:
-    config = model.config
-
-    def check(m: nn.Module, world: int) -> None:
-        from lightning_3d.layout_rules import check_tensor_parallel  # the rules the strategy and planner share
-
-        check_tensor_parallel(m, world)
-
-    return TensorParallelPlan(
-        name="GPT2LMHeadModel",
-        styles={
-            "transformer.wte": "vocab",
-            # attention-probability dropout (eager or SDPA) is inside attn, on this rank's heads; the
-            # residual dropout after c_proj's all-reduce is replicated
-            "transformer.h.*.attn": [DivideAttributes(("split_size", "num_heads", "embed_dim")), "rng"],
-            "transformer.h.*.attn.resid_dropout": "replicated_rng",
-            "transformer.h.*.attn.c_attn": Column(num_blocks=3),
-            "transformer.h.*.attn.c_proj": "row",
-            "transformer.h.*.mlp.c_fc": "column",
-            "transformer.h.*.mlp.c_proj": "row",
-            "lm_head": "vocab_head",
-        },
-        check=check,
-        finalize=_hf_finalize(config.vocab_size),
-        supports_sequence_parallel=False,
-    )
-
-
-def builtin_plan(module: nn.Module) -> Optional[TensorParallelPlan]:
-    """The built-in plan for ``module``'s class, if there is one (HF classes matched by name: no import)."""
-    from lightning_3d.models.gpt import GPT
-
-    if isinstance(module, GPT):
-        return gpt_plan(module)
-    hf = {"LlamaForCausalLM": llama_plan, "GPT2LMHeadModel": gpt2_plan}.get(type(module).__name__)
-    return hf(module) if hf is not None else None
-
-
-def find_plans(root: nn.Module) -> list[tuple[str, nn.Module, TensorParallelPlan]]:
-    """(name, module, plan) for the outermost modules inside ``root`` that have a built-in plan."""
-    found: list[tuple[str, nn.Module, TensorParallelPlan]] = []
-    for name, module in root.named_modules():
-        if any(name.startswith(prefix + ".") for prefix, _, _ in found):
-            continue
-        plan = builtin_plan(module)
-        if plan is not None:
-            found.append((name, module, plan))
-    return found

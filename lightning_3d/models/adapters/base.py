@@ -1,0 +1,100 @@
+"""The adapter interface: everything lightning_3d knows about one model family, in one object.
+
+Generic code (tensor-parallel plans, the pipeline runtime, recompute, checkpoints, the layout
+rules, the planner) knows no model: it receives what it needs -- a :class:`TensorParallelPlan`,
+a :class:`LayerSequence`, a recompute target, :class:`ModelDims` -- from an adapter, which
+``parallelize`` finds through the registry (:mod:`lightning_3d.models.adapters.registry`).
+A family is one module holding one :class:`ModelAdapter` subclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from lightning_3d.activation_checkpointing import attention_of
+from lightning_3d.layout_rules import ModelDims, raise_refusals, tensor_parallel_refusals
+from lightning_3d.pipeline.sequences import LayerSequence
+from lightning_3d.planner.model_shape import ModelShape
+from lightning_3d.tensor_parallel.plans import TensorParallelPlan
+
+
+def _first(tensors: list[Tensor]) -> Tensor:
+    return tensors[0]
+
+
+@dataclass(frozen=True)
+class ExportTensor:
+    """One tensor of a Hugging Face state dict, made from tensors of our dense checkpoint.
+
+    Args:
+        key: the Hugging Face state-dict key.
+        sources: dense tensor names in our checkpoint, relative to the model (no ``"model."``
+            prefix); empty when ``combine`` makes the tensor alone (zero biases our model lacks).
+        combine: the sources (in order) -> the Hugging Face tensor (e.g. cat + transpose for
+            GPT-2's fused ``c_attn``); the identity on one source by default.
+    """
+
+    key: str
+    sources: tuple[str, ...]
+    combine: Callable[[list[Tensor]], Tensor] = _first
+
+
+class ModelAdapter:
+    """What lightning_3d needs to know about one model family. Subclass it in one module per family
+    and register an instance (:func:`~lightning_3d.models.adapters.registry.register_adapter`).
+
+    Attributes:
+        name: the family's short name (``"gpt"``, ``"llama"``, ...), used in messages.
+        hf_model_types: the Hugging Face ``config.model_type`` values this adapter builds and
+            loads (``("llama",)``); ``()`` for models that are not Hugging Face's.
+    """
+
+    name: str = ""
+    hf_model_types: tuple[str, ...] = ()
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a model of this family (the whole model, not one of its layers)."""
+        raise NotImplementedError
+
+    def tp_plan(self, model: nn.Module) -> TensorParallelPlan:
+        """The Megatron-style tensor-parallel plan for ``model``."""
+        raise NotImplementedError
+
+    def layer_sequence(self, model: nn.Module) -> LayerSequence:
+        """``model`` as ``inputs -> embed -> blocks -> head``, what pipeline stages divide."""
+        raise NotImplementedError
+
+    def recompute_target(self, block: nn.Module) -> nn.Module:
+        """What ``activation_checkpointing="selective"`` recomputes in ``block``: the attention
+        (its activations grow with the square of the sequence; its FLOPs are few)."""
+        return attention_of(block)
+
+    def dims(self, model: nn.Module) -> ModelDims:
+        """The sizes a layout must divide, labelled with the names the user knows them by."""
+        raise NotImplementedError
+
+    def model_shape(self, model: nn.Module, seq_len: int) -> ModelShape:
+        """The planner's description of ``model`` (sizes, parameters, FLOPs) at ``seq_len``."""
+        raise NotImplementedError
+
+    def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
+        """Training FLOPs (forward + backward, no recompute) per token at ``seq_len``: the planner's
+        count (:meth:`ModelShape.step_flops`), so planner and model agree by construction."""
+        return self.model_shape(model, seq_len).step_flops(1, 0.0) / seq_len
+
+    def hf_export(self, model_config: Any) -> tuple[Any, list[ExportTensor]]:
+        """``(transformers config, tensors)`` for writing a Hugging Face model directory from a dense
+        checkpoint of this family; ``model_config`` is what the checkpoint records of the model."""
+        raise NotImplementedError(f"the {self.name!r} adapter has no Hugging Face export.")
+
+    # -- shared by the plans ----------------------------------------------------------------------------
+    def check_tensor_parallel(self, model: nn.Module, tp: int) -> None:
+        """A plan's check: ``model`` can be split ``tp`` ways (the rules the strategy and the planner
+        share); raises naming every size that does not divide, before anything is sharded."""
+        raise_refusals(tensor_parallel_refusals(tp, self.dims(model)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
