@@ -1,7 +1,7 @@
 """Llama-style options of the reference GPT (grouped-query attention, SwiGLU, RMSNorm, rotary
 positions): the model in one process, then layout invariance under tp, tp + sequence parallel, pp
 (1F1B, interleaved), dp with ZeRO 1/3, activation checkpointing and dp x tp, sharded
-initialization, checkpoints, and the GPT-2 export's refusal."""
+initialization, checkpoints, and the Hugging Face export (LlamaForCausalLM; mixed options refused)."""
 
 from __future__ import annotations
 
@@ -175,9 +175,12 @@ def test_plan_refuses_kv_heads_not_divisible_by_tp_before_sharding():
     assert styles["blocks.*.mlp.down_proj"] == "row" and styles["blocks.*.ln_1"] == "sequence_norm"
 
 
-def test_llama_style_export_is_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="LlamaForCausalLM is not implemented yet.*use `consolidate`"):
-        GPT_ADAPTER.hf_export(asdict(llama()))
+def test_llama_style_exports_as_llama():
+    pytest.importorskip("transformers")
+    hf, tensors = GPT_ADAPTER.hf_export(asdict(llama()))
+    keys = {t.key for t in tensors}
+    assert hf.model_type == "llama" and hf.num_key_value_heads == 2 and not hf.tie_word_embeddings
+    assert {"model.layers.3.self_attn.k_proj.weight", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"} <= keys
 
 
 @pytest.mark.parametrize(
@@ -189,8 +192,8 @@ def test_llama_style_export_is_not_implemented_yet():
         (dict(position="learned", n_kv_head=None, mlp="gelu"), "norm='rmsnorm'"),
     ],
 )
-def test_gpt2_export_refuses_other_architectures(overrides, named):
-    with pytest.raises(ValueError, match="not GPT-2 architecture") as err:
+def test_export_refuses_mixed_architectures(overrides, named):
+    with pytest.raises(ValueError, match="not GPT-2 architecture .* and not Llama architecture") as err:
         GPT_ADAPTER.hf_export(asdict(llama(**overrides)))
     assert named in str(err.value) and "use `consolidate`" in str(err.value)
 
@@ -323,10 +326,14 @@ def test_kv_heads_not_divisible_by_tp_is_refused_before_sharding(two):
     assert "n_kv_head=1 is not divisible by tensor_parallel=2" in out["message"] and out["untouched"]
 
 
-def test_tp2_checkpoint_consolidates_and_refuses_gpt2_export(two, tmp_path):
+def test_tp2_checkpoint_consolidates_and_exports_as_llama(two, tmp_path):
+    import transformers
+
     run = result_of(two[0], "tp2")
-    with pytest.raises(NotImplementedError, match="not implemented yet.*use `consolidate`"):
-        export_hf(run["path"], str(tmp_path / "hf"))
+    export_hf(run["path"], str(tmp_path / "hf"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(input_ids=PROBE).logits.numpy(), np.array(run["logits"]), rtol=1e-4, atol=1e-5)
     dense = consolidate(run["path"], str(tmp_path / "llama.ckpt"))["out"]
     module = GPTModule.load_from_checkpoint(dense, weights_only=True)
     assert module.config == llama() and module.model.wte.weight.shape == (256, 32)

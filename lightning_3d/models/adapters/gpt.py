@@ -96,31 +96,31 @@ def gpt_sequence(model: nn.Module) -> LayerSequence:
 
 
 # -- Hugging Face export -------------------------------------------------------------------------------------------
-def _is_llama_style(cfg: GPTConfig) -> bool:
-    return cfg.position == "rope" and cfg.mlp == "swiglu" and cfg.norm == "rmsnorm"
+def _differences(cfg: GPTConfig, family: dict[str, Any], label: str) -> list[str]:
+    return [f"{name}={getattr(cfg, name)!r} ({label}: {want!r})" for name, want in family.items() if getattr(cfg, name) != want]
 
 
-def _require_gpt2_architecture(cfg: GPTConfig) -> None:
-    """GPT-2 has learned positions, a GELU MLP, LayerNorm and one key/value head per query head;
-    a GPTConfig with other options has weights GPT-2 cannot hold (or would silently compute
-    differently with), so refuse rather than write a model that loads but is wrong. ``bias=False``
-    (zero biases) and untied heads (``tie_word_embeddings=False``) are representable and exported."""
-    differences = [
-        f"{name}={value!r} (GPT-2: {gpt2!r})"
-        for name, value, gpt2 in (
-            ("position", cfg.position, "learned"),
-            ("mlp", cfg.mlp, "gelu"),
-            ("norm", cfg.norm, "layernorm"),
-            ("n_kv_head", cfg.kv_heads, cfg.n_head),
-        )
-        if value != gpt2
-    ]
-    if differences:
-        raise ValueError(
-            f"this GPT is not GPT-2 architecture ({', '.join(differences)}), so it cannot be exported as a "
-            f"Hugging Face GPT2LMHeadModel; use `consolidate` (lightning-3d consolidate CKPT_DIR OUT) for a dense "
-            f"checkpoint that GPTModule.load_from_checkpoint loads."
-        )
+def exported_family(cfg: GPTConfig) -> str:
+    """``"gpt2"`` or ``"llama"``: the Hugging Face model that computes exactly what this GPT computes.
+
+    GPT-2 has learned positions, a GELU MLP, LayerNorm and one key/value head per query head; Llama
+    rotary positions, SwiGLU and RMSNorm (any number of key/value heads). ``bias=False`` (GPT-2: zero
+    biases; Llama: no biases) and untied heads are representable in both. A mix of the two is computed
+    by neither: it is refused, naming what to change for each, rather than written as a model that
+    loads but computes something else."""
+    gpt2 = _differences(cfg, {"position": "learned", "mlp": "gelu", "norm": "layernorm", "kv_heads": cfg.n_head}, "GPT-2")
+    llama = _differences(cfg, {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm"}, "Llama")
+    if not llama:
+        return "llama"
+    if not gpt2:
+        return "gpt2"
+    gpt2 = [d.replace("kv_heads=", "n_kv_head=") for d in gpt2]
+    raise ValueError(
+        f"this GPT is not GPT-2 architecture ({', '.join(gpt2)}) and not Llama architecture ({', '.join(llama)}), so "
+        f"no Hugging Face model computes what it does (GPT2LMHeadModel or LlamaForCausalLM would load it and compute "
+        f"something else); use `consolidate` (lightning-3d consolidate CKPT_DIR OUT) for a dense checkpoint that "
+        f"GPTModule.load_from_checkpoint loads."
+    )
 
 
 def _same(tensors: list[Tensor]) -> Tensor:
@@ -177,6 +177,56 @@ def gpt2_tensors(cfg: GPTConfig) -> list[ExportTensor]:
     return out
 
 
+def gpt2_config(cfg: GPTConfig) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        n_inner=cfg.ffn_dim, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None, eos_token_id=None,
+    )
+
+
+def llama_config(cfg: GPTConfig) -> Any:
+    """``LlamaConfig`` computing what our Llama-style GPT computes.
+
+    Rotary embeddings agree without permuting q/k rows: ours (:func:`~lightning_3d.models.gpt.apply_rotary`)
+    use the "rotate half" layout (feature ``i`` pairs with ``i + head_dim/2``, frequencies
+    ``theta^(-2i/head_dim)`` repeated over both halves), which is Hugging Face Llama's; only checkpoints in
+    Meta's interleaved-pairs layout need the permutation. RMSNorm's eps is 1e-5
+    (:func:`~lightning_3d.models.gpt.make_norm`); ``bias=True`` means biases on q/k/v/o
+    (``attention_bias``) and on gate/up/down (``mlp_bias``). Our dropout (attention, residual, MLP,
+    embeddings) has only Llama's attention dropout to map to: the exported model computes the same in
+    eval mode."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.block_size, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=float(cfg.rope_theta),
+        attention_bias=cfg.bias, mlp_bias=cfg.bias, attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
+def llama_tensors(cfg: GPTConfig) -> list[ExportTensor]:
+    """Our Llama-style GPT's tensors as LlamaForCausalLM's: the same ``nn.Linear`` matrices under other
+    names (nothing transposed, fused or permuted); the head only when untied."""
+    out = [ExportTensor("model.embed_tokens.weight", ("wte.weight",))]
+    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.n_layer):
+        src, dst = f"blocks.{i}.", f"model.layers.{i}."
+        out.append(ExportTensor(f"{dst}input_layernorm.weight", (f"{src}ln_1.weight",)))
+        out += [ExportTensor(f"{dst}self_attn.{p}_proj.{k}", (f"{src}attn.{p}_proj.{k}",)) for p in "qkvo" for k in kinds]
+        out.append(ExportTensor(f"{dst}post_attention_layernorm.weight", (f"{src}ln_2.weight",)))
+        out += [ExportTensor(f"{dst}mlp.{p}_proj.{k}", (f"{src}mlp.{p}_proj.{k}",)) for p in ("gate", "up", "down") for k in kinds]
+    out.append(ExportTensor("model.norm.weight", ("ln_f.weight",)))
+    if not cfg.tie_embeddings:
+        out.append(ExportTensor("lm_head.weight", ("lm_head.weight",)))
+    return out
+
+
 class GPTAdapter(ModelAdapter):
     name = "gpt"
     hf_model_types = ()
@@ -210,24 +260,13 @@ class GPTAdapter(ModelAdapter):
 
     def hf_export(self, model_config: Any) -> tuple[Any, list[ExportTensor]]:
         """``model_config``: the ``GPTConfig`` (or its dict, as ``GPTModule`` checkpoints record it).
-        GPT-2 architecture -> ``GPT2Config`` and :func:`gpt2_tensors`."""
+        GPT-2 architecture -> ``GPT2Config`` and :func:`gpt2_tensors`; Llama architecture ->
+        ``LlamaConfig`` and :func:`llama_tensors`; a mix of the two is refused
+        (:func:`exported_family`)."""
         cfg = model_config if isinstance(model_config, GPTConfig) else GPTConfig(**dict(model_config))
-        if _is_llama_style(cfg):
-            raise NotImplementedError(
-                "exporting a Llama-style GPT (position='rope', mlp='swiglu', norm='rmsnorm') to a Hugging Face "
-                "LlamaForCausalLM is not implemented yet; use `consolidate` (lightning-3d consolidate CKPT_DIR OUT) "
-                "for a dense checkpoint that GPTModule.load_from_checkpoint loads."
-            )
-        _require_gpt2_architecture(cfg)
-        from transformers import GPT2Config
-
-        hf = GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
-            n_inner=cfg.ffn_dim, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout, layer_norm_epsilon=1e-5, tie_word_embeddings=cfg.tie_embeddings,
-            bos_token_id=None, eos_token_id=None,
-        )
-        return hf, gpt2_tensors(cfg)
+        if exported_family(cfg) == "llama":
+            return llama_config(cfg), llama_tensors(cfg)
+        return gpt2_config(cfg), gpt2_tensors(cfg)
 
 
 GPT_ADAPTER = register_adapter(GPTAdapter())
