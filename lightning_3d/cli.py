@@ -28,7 +28,8 @@ USAGE = """usage: lightning-3d {fit,validate,test,predict,plan,prepare,consolida
   plan [OVERRIDES] [--layout ...]  rank 3D layouts for a model on a cluster (docs/planner.md)
   prepare OUT INPUT [INPUT ...]  tokenize text files as bytes into OUT (.bin + .bin.json)
   consolidate CKPT_DIR OUT       a sharded checkpoint as one dense .pt/.ckpt/.safetensors file
-  export CKPT_DIR OUT_DIR        a Hugging Face model directory (from_pretrained-loadable)
+  export CKPT_DIR OUT_DIR        a Hugging Face model directory (from_pretrained-loadable;
+                                 --tokenizer DIR, --max-shard-size 5GB, --dtype bf16)
 
 examples:
   lightning-3d fit --trainer.strategy=3d --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=50
@@ -66,16 +67,26 @@ def consolidate_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    from lightning_3d.checkpoint.consolidate import export_hf
+    from lightning_3d.checkpoint.hf_export import export_hf
 
-    parser = argparse.ArgumentParser(prog="lightning-3d export", description="Export to a Hugging Face model directory.")
+    parser = argparse.ArgumentParser(
+        prog="lightning-3d export",
+        description="Export a sharded checkpoint to a Hugging Face model directory, streaming tensor by tensor.",
+    )
     parser.add_argument("checkpoint", help="a sharded checkpoint directory")
-    parser.add_argument("out", help="output directory (save_pretrained layout)")
+    parser.add_argument("out", help="output directory (save_pretrained layout); replaced only when the export is complete")
     parser.add_argument("--hf-config", default=None, help="config.json (or model dir) of the HF model that was trained")
     parser.add_argument("--prefix", default="model.", help="the model's attribute path in the LightningModule")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast floating tensors")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR", help="copy the tokenizer files found in DIR")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 500MB (default 5GB)")
     args = parser.parse_args(argv)
-    print(json.dumps(export_hf(args.checkpoint, args.out, prefix=args.prefix, hf_config=args.hf_config, dtype=args.dtype)))
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    out = export_hf(
+        args.checkpoint, args.out, prefix=args.prefix, hf_config=args.hf_config, dtype=args.dtype,
+        tokenizer=args.tokenizer, max_shard_size=size,
+    )
+    print(json.dumps(out))
     return 0
 
 
@@ -130,7 +141,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     from lightning_3d.checkpoint.sharded import CheckpointError
 
-    return (ValueError, CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, MisconfigurationException)
+    return (
+        ValueError, CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError,
+        MisconfigurationException,
+    )
 
 
 def _run(command: str, call: Callable[[], Optional[int]]) -> int:

@@ -1,8 +1,8 @@
 """Turn a sharded checkpoint into one dense file, or into a Hugging Face model directory.
 
-Runs in one process, needs no GPU and not the world size the checkpoint was written with. What a
-model's tensors are called in Hugging Face's format is the model family's knowledge: its adapter
-gives the mapping, found through the adapter registry (the one way generic code reaches models).
+Runs in one process, needs no GPU and not the world size the checkpoint was written with. The
+Hugging Face export (:func:`export_hf`, re-exported from :mod:`lightning_3d.checkpoint.hf_export`)
+streams tensor by tensor with the mapping the model family's adapter gives.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from lightning_3d.checkpoint.sharded import LazyDense, LazyOptimizerState, ShardedCheckpoint, latest_complete
-from lightning_3d.models.adapters.registry import adapter_for_hf_config, adapter_named
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,39 +67,5 @@ def consolidate(path: str, out: str, dtype: Optional[str] = None, weights_only: 
     return {"out": str(target), "tensors": len(state), "bytes": target.stat().st_size, "from": str(checkpoint.path)}
 
 
-# -- Hugging Face export: the model family's adapter gives config and key mapping ----------------------------------
-def _strip(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-
-
-def export_hf(path: str, out_dir: str, prefix: str = "model.", hf_config: Optional[str] = None, dtype: Optional[str] = None) -> dict[str, Any]:
-    """Write a ``from_pretrained``-loadable directory. ``hf_config`` (a config.json or a model
-    directory) for Hugging Face models trained inside a LightningModule (the adapter of its
-    ``model_type``); without it the checkpoint must hold the reference GPT (``GPTModule``: the ``gpt``
-    adapter, which exports GPT-2 architecture)."""
-    import transformers
-
-    checkpoint = ShardedCheckpoint(latest_complete(Path(path), fallback=False))
-    state = _strip(dense_state_dict(checkpoint), prefix)
-    if hf_config is not None:
-        model_config: Any = transformers.AutoConfig.from_pretrained(hf_config)
-        adapter = adapter_for_hf_config(model_config)
-    else:
-        hparams = checkpoint.meta().get("hyper_parameters", {})
-        if "config" not in hparams:
-            raise ValueError("this checkpoint is not of GPTModule: pass hf_config=<config.json of the Hugging Face model>.")
-        model_config, adapter = hparams["config"], adapter_named("gpt")
-    config, tensors = adapter.hf_export(model_config)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    what = type(model).__name__
-    lacking = sorted({s for t in tensors for s in t.sources if s not in state})
-    if lacking:
-        raise ValueError(f"export: the checkpoint does not match {what}: it lacks {lacking}.")
-    missing, unexpected = model.load_state_dict({t.key: t.combine([state[s] for s in t.sources]) for t in tensors}, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"export: the checkpoint does not match {what}: missing {missing}, unexpected {unexpected}.")
-    if dtype is not None:
-        model = model.to(DTYPES[dtype])
-    model.save_pretrained(out_dir)
-    return {"out": out_dir, "model": what, "parameters": sum(p.numel() for p in model.parameters())}
+# -- Hugging Face export: streamed tensor by tensor (hf_export.py); the name stays importable from here --------
+from lightning_3d.checkpoint.hf_export import export_hf  # noqa: E402,F401

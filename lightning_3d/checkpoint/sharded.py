@@ -293,6 +293,7 @@ class ShardedCheckpoint:
         self.manifest = read_manifest(path)
         self.weights_only = weights_only
         self._files: dict[str, dict[str, Tensor]] = {}
+        self._verified: set[str] = set()
         self._by_name: dict[tuple[str, str], list[Piece]] = defaultdict(list)
         for record in self.manifest["pieces"]:
             piece = Piece(**record)
@@ -315,9 +316,17 @@ class ShardedCheckpoint:
 
     def _file(self, name: str) -> dict[str, Tensor]:
         if name not in self._files:
-            self.verify(name)
+            if name not in self._verified:
+                self.verify(name)
+                self._verified.add(name)
             self._files[name] = torch.load(self.path / name, map_location="cpu", weights_only=True, mmap=True)
         return self._files[name]
+
+    def release(self) -> None:
+        """Unmap the rank files. Pages of a mapped file that were read count towards the process's
+        resident memory until it is unmapped, so a reader that streams the whole checkpoint (an
+        export) releases after each tensor; files are mapped again (not re-verified) on demand."""
+        self._files.clear()
 
     def meta(self) -> dict[str, Any]:
         self.verify(META)
@@ -338,6 +347,14 @@ class ShardedCheckpoint:
         if (kind, name) in self._by_name:
             return name
         return next((n for n in self.ties.get(name, []) if (kind, n) in self._by_name), None)
+
+    def dense_info(self, kind: str, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(dense shape, dtype) of ``name`` from the manifest alone: no tensor data is read."""
+        canonical = self.canonical(kind, name)
+        if canonical is None:
+            raise KeyError(f"{name!r} ({kind}) is not in checkpoint {self.path}.")
+        piece = self._by_name[(kind, canonical)][0]
+        return tuple(piece.tp["full_shape"]), getattr(torch, piece.dtype)
 
     def dense(self, kind: str, name: str) -> Tensor:
         """The dense tensor ``name`` (any layout wrote it), assembled from its pieces."""
