@@ -211,6 +211,17 @@ def copy_tokenizer(source: Any, directory: Path) -> list[str]:
     return copied
 
 
+def _tokenizer_of_init_from(checkpoint: ShardedCheckpoint) -> Optional[Path]:
+    """A model fine-tuned from a Hugging Face directory (``init_from``) exports with that directory's
+    tokenizer unless another is given: the pair a user would upload."""
+    init_from = (checkpoint.meta().get("hyper_parameters", {}) or {}).get("init_from")
+    if not init_from:
+        return None
+    root = Path(init_from)
+    found = [name for name in TOKENIZER_FILES if name != "generation_config.json" and (root / name).is_file()]
+    return root if found else None
+
+
 # -- export ---------------------------------------------------------------------------------------------------
 def _as_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -240,7 +251,8 @@ def export_hf(
             it the config comes from the checkpoint (``init_from``, the recorded HF config, or
             GPTModule's hyper-parameters: our GPT exports as GPT-2 or Llama).
         dtype: cast floating tensors (``"bf16"``...); default: as stored (fp32 masters).
-        tokenizer: a directory whose tokenizer files are copied (or a tokenizer object).
+        tokenizer: a directory whose tokenizer files are copied (or a tokenizer object); default: the
+            ``init_from`` directory's, when the model was fine-tuned from one that has them.
         max_shard_size: split weights into files of at most this size (``"5GB"``, ``"500MB"``, bytes).
     """
     checkpoint = ShardedCheckpoint(latest_complete(Path(path), fallback=False))
@@ -267,6 +279,8 @@ def export_hf(
     with staged_directory(out_dir) as tmp:
         config.save_pretrained(str(tmp))
         written = write_sharded(tmp, infos, produce, max_shard_size)
+        if tokenizer is None:
+            tokenizer = _tokenizer_of_init_from(checkpoint)
         if tokenizer is not None:
             copied = copy_tokenizer(tokenizer, tmp)
     return {
