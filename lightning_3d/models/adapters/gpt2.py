@@ -5,19 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from lightning_3d.layout_rules import ModelDims
-from lightning_3d.models.adapters.hf_common import (
-    HFAdapter,
-    _first,
-    _hf_count,
-    _hf_finalize,
-    _hf_head,
-    _hf_inputs,
-    _hf_loss_of,
-    _hf_mask,
-    _hf_output,
-    _hf_positions,
-    _hf_with_loss,
-)
+from lightning_3d.models.adapters.hf_common import HFAdapter, _first, _hf_finalize, _hf_mask, _hf_positions, hf_layer_sequence
 from lightning_3d.models.adapters.registry import register_adapter
 from lightning_3d.pipeline.sequences import Inputs, LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
@@ -34,19 +22,15 @@ def gpt2_sequence(model: nn.Module) -> LayerSequence:
     def block(layer: nn.Module, x: Tensor, batch: Inputs) -> Tensor:
         return _first(layer(x, None, _hf_mask(model, batch, x), position_ids=_hf_positions(batch, x)))
 
-    return LayerSequence(
+    return hf_layer_sequence(
+        model,
         blocks=inner.h,
         blocks_name="transformer.h",
         embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
         head_modules=("transformer.ln_f", "lm_head"),
-        inputs=_hf_inputs,
         embed=embed,
         block=block,
-        head=_hf_head(model, inner.ln_f),
-        target_count=_hf_count,
-        output=_hf_output,
-        loss_of=_hf_loss_of,
-        with_loss=_hf_with_loss,
+        norm=inner.ln_f,
     )
 
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
-from lightning_3d.pipeline.sequences import HeadOutput, Inputs
+from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss
 from lightning_3d.tensor_parallel.plans import PlanContext, gather_logits_hook
@@ -59,19 +59,30 @@ def _hf_positions(batch: Inputs, hidden: Tensor) -> Tensor:
     return batch["_positions"]
 
 
-def _hf_mask(model: nn.Module, batch: Inputs, hidden: Tensor) -> Any:
-    """The causal (and padding) mask HF's forward would build for this micro-batch, built once per
-    micro-batch and piece."""
-    if "_mask" not in batch:
-        create = sys.modules[type(model).__module__].create_causal_mask
-        batch["_mask"] = create(
+SLIDING = "sliding_attention"  # HF's layer_type of a sliding-window attention layer (Qwen2, Mistral)
+
+
+def _hf_mask(model: nn.Module, batch: Inputs, hidden: Tensor, builder: str = "create_causal_mask") -> Any:
+    """The causal (and padding) mask HF's forward would build for this micro-batch with ``builder``
+    from the model's module (``create_sliding_window_causal_mask`` for sliding-window layers), built
+    once per micro-batch, piece and builder."""
+    key = f"_mask/{builder}"
+    if key not in batch:
+        create = getattr(sys.modules[type(model).__module__], builder)
+        batch[key] = create(
             config=model.config,
             inputs_embeds=hidden,
             attention_mask=batch.get("attention_mask"),
             cache=None,
             position_ids=_hf_positions(batch, hidden),
         )
-    return batch["_mask"]
+    return batch[key]
+
+
+def _layer_mask(model: nn.Module, layer: nn.Module, batch: Inputs, hidden: Tensor) -> Any:
+    """The mask of one decoder layer: sliding-window layers get the sliding causal mask."""
+    sliding = getattr(getattr(layer, "self_attn", None), "layer_type", None) == SLIDING
+    return _hf_mask(model, batch, hidden, "create_sliding_window_causal_mask" if sliding else "create_causal_mask")
 
 
 def _hf_count(batch: Inputs) -> int:
@@ -109,6 +120,35 @@ def _first(out: Any) -> Tensor:
 
 
 # -- tensor parallel -------------------------------------------------------------------------------------------
+def hf_layer_sequence(
+    model: nn.Module,
+    *,
+    blocks: nn.ModuleList,
+    blocks_name: str,
+    embed_modules: tuple[str, ...],
+    head_modules: tuple[str, ...],
+    embed: Callable[[Inputs], Tensor],
+    block: Callable[[nn.Module, Tensor, Inputs], Tensor],
+    norm: nn.Module,
+) -> LayerSequence:
+    """A Hugging Face causal LM's layer sequence: the family gives its modules, embedding and block
+    call; inputs, the head (final norm, ``lm_head``, HF's loss), target counts and outputs are common."""
+    return LayerSequence(
+        blocks=blocks,
+        blocks_name=blocks_name,
+        embed_modules=embed_modules,
+        head_modules=head_modules,
+        inputs=_hf_inputs,
+        embed=embed,
+        block=block,
+        head=_hf_head(model, norm),
+        target_count=_hf_count,
+        output=_hf_output,
+        loss_of=_hf_loss_of,
+        with_loss=_hf_with_loss,
+    )
+
+
 def _hf_finalize(vocab_size: int) -> Callable[[nn.Module, PlanContext], None]:
     """After the plan: the loss becomes vocab-parallel (``model.loss_function``, what HF's forward
     calls) and logits returned without labels are gathered to the full vocabulary."""

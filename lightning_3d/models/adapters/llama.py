@@ -8,15 +8,10 @@ from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.hf_common import (
     HFAdapter,
     _first,
-    _hf_count,
     _hf_finalize,
-    _hf_head,
-    _hf_inputs,
-    _hf_loss_of,
-    _hf_mask,
-    _hf_output,
     _hf_positions,
-    _hf_with_loss,
+    _layer_mask,
+    hf_layer_sequence,
     llama_like_dims,
     llama_like_shape,
 )
@@ -48,27 +43,26 @@ def llama_styles(prefix: str = "model.layers.*") -> dict[str, StyleSpec]:
 
 
 def llama_sequence(model: nn.Module) -> LayerSequence:
+    """Llama-shaped decoders (Llama, Qwen2, Mistral): rotary positions computed once per micro-batch
+    and piece; each layer gets HF's causal mask, or the sliding-window one if it is a sliding layer."""
     inner = model.model
 
     def block(layer: nn.Module, x: Tensor, batch: Inputs) -> Tensor:
         positions = _hf_positions(batch, x)
         if "_rope" not in batch:
             batch["_rope"] = inner.rotary_emb(x, position_ids=positions)
-        return _first(layer(x, attention_mask=_hf_mask(model, batch, x), position_embeddings=batch["_rope"], position_ids=positions))
+        mask = _layer_mask(model, layer, batch, x)
+        return _first(layer(x, attention_mask=mask, position_embeddings=batch["_rope"], position_ids=positions))
 
-    return LayerSequence(
+    return hf_layer_sequence(
+        model,
         blocks=inner.layers,
         blocks_name="model.layers",
         embed_modules=("model.embed_tokens",),
         head_modules=("model.norm", "lm_head"),
-        inputs=_hf_inputs,
         embed=lambda batch: inner.embed_tokens(batch["input_ids"]),
         block=block,
-        head=_hf_head(model, inner.norm),
-        target_count=_hf_count,
-        output=_hf_output,
-        loss_of=_hf_loss_of,
-        with_loss=_hf_with_loss,
+        norm=inner.norm,
     )
 
 
