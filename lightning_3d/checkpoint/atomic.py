@@ -40,10 +40,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Make the rename itself durable (POSIX); harmless where directories cannot be opened."""
     try:
         fd = os.open(directory, os.O_RDONLY)

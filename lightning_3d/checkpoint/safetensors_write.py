@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_3d.checkpoint.atomic import fsync_directory
 from lightning_3d.checkpoint.safetensors_format import CODE_OF_DTYPE, HEADER_LIMIT, INDEX_NAME, SINGLE_NAME
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -159,17 +160,6 @@ def write_sharded(
 _EXPORT_MARKERS = ("config.json", SINGLE_NAME, INDEX_NAME)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def staged_directory(out_dir: Union[str, Path]) -> Iterator[Path]:
     """Yield a temporary sibling of ``out_dir`` to fill; on success it replaces ``out_dir`` (two
@@ -191,13 +181,13 @@ def staged_directory(out_dir: Union[str, Path]) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _fsync_dir(tmp)
+        fsync_directory(tmp)
         replaced = None
         if final.exists():
             replaced = final.with_name(f".{final.name}.replaced-{stamp}")
             os.replace(final, replaced)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_directory(final.parent)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
     except BaseException:

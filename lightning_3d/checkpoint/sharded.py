@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_3d.checkpoint.atomic import fsync_directory
 from lightning_3d.tensor_parallel.spec import assemble_dense
 
 FORMAT = "lightning_3d.sharded/1"
@@ -84,17 +85,6 @@ class RankShard:
 
 
 # -- writing ----------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -146,13 +136,13 @@ def publish(tmp_dir: Path, final: Path, manifest: dict[str, Any], meta: dict[str
         json.dump(manifest, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp_dir)
+    fsync_directory(tmp_dir)
     replaced = None
     if final.exists():
         replaced = final.with_name(f"{final.name}.replaced-{os.getpid()}-{time.time_ns()}")
         os.replace(final, replaced)
     os.replace(tmp_dir, final)
-    _fsync_dir(final.parent)
+    fsync_directory(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True) if replaced.is_dir() else replaced.unlink(missing_ok=True)
 
