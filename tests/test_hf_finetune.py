@@ -9,7 +9,8 @@ sharded checkpoint, loaded back by ``transformers``, holds exactly the weights t
 
 from __future__ import annotations
 
-import tempfile
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from lightning_3d import ThreeDParallelStrategy, from_pretrained
 from lightning_3d.checkpoint.hf_export import export_hf
 from lightning_3d.testing import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks
+from tests.test_launchers import BIN, ROOT, _run
 
 FAMILIES = ("llama", "gpt2", "qwen2")
 STEPS, BATCH, SEQ, VOCAB, LR = 5, 8, 16, 128, 1e-2
@@ -33,12 +35,12 @@ STEPS, BATCH, SEQ, VOCAB, LR = 5, 8, 16, 128, 1e-2
 WEIGHT_ATOL = 2e-4
 
 
-def hf_config(kind: str) -> Any:
+def hf_config(kind: str, vocab: int = VOCAB) -> Any:
     import transformers
 
     if kind == "llama":  # grouped-query attention: 4 query heads share 2 key/value heads
         return transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
         )
     if kind == "gpt2":  # tied head, Conv1D weights stored [in, out]
@@ -51,12 +53,12 @@ def hf_config(kind: str) -> Any:
     )
 
 
-def make_checkpoint(kind: str, directory: Path) -> Path:
+def make_checkpoint(kind: str, directory: Path, vocab: int = VOCAB) -> Path:
     """A seeded tiny model in Hugging Face's own format (single safetensors file)."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind, vocab) if kind == "llama" else hf_config(kind))
     with torch.no_grad():  # non-trivial norm weights, so a norm loaded wrong shows
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
@@ -212,3 +214,33 @@ def test_two_rank_layouts_fine_tune_like_one_process(two, references, kind, layo
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_dp2_tp2_pp2_fine_tunes_like_one_process(eight, references, kind):
     _check(eight, references[kind], f"{kind}/dp2tp2pp2")
+
+
+def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path) -> None:
+    """``model.init_from`` in a recipe at tp2 (the byte corpus needs a 256-token vocabulary), then
+    ``lightning-3d export`` of the run's checkpoint: config, weights and init_from's tokenizer."""
+    import transformers
+
+    source = make_checkpoint("llama", tmp_path, vocab=256)
+    run_dir = tmp_path / "run"
+    proc = _run(
+        [
+            sys.executable, str(ROOT / "recipes" / "train.py"), f"model.init_from={source}", "parallel=dp",
+            "cluster.devices_per_node=2", "parallel.tensor_parallel=2", "trainer.max_steps=3",
+            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
+            "checkpoint_every=3", "data.max_bytes=100000", "optim.warmup_steps=0", "optim.lr=1e-3", f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["layout"] == {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0} and summary["steps"] == 3
+    assert np.isfinite(summary["train_loss"]) and summary["train_loss"] < 6.0  # ln(256) = 5.55 for a fresh model
+    out = tmp_path / "exported"
+    report = json.loads(_run([str(BIN / "lightning-3d"), "export", summary["checkpoint"], str(out)], tmp_path).stdout)
+    assert report["model_type"] == "llama" and report["config_from"].startswith("init_from=")
+    assert "tokenizer_config.json" in report["tokenizer_files"]
+    before = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).state_dict()
+    after = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    assert before.keys() == after.keys()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert "model.layers.0.self_attn.q_proj.weight" in moved and all(torch.isfinite(v).all() for v in after.values())

@@ -375,29 +375,30 @@ class GPTModule(L.LightningModule):
         return self(input_ids).argmax(dim=-1)
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        decay, no_decay = [], []
-        for p in {id(p): p for p in self.parameters() if p.requires_grad}.values():
-            (decay if p.dim() >= 2 else no_decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": hp.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-        )
-        total = hp.decay_steps or max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = functools.partial(
-            warmup_cosine, warmup=hp.warmup_steps, total=total, min_ratio=hp.min_lr_ratio
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup_cosine(self, self.hparams)
 
     def configure_callbacks(self) -> list[L.Callback]:
         from lightning_3d.callbacks import TokenThroughput
 
         return [TokenThroughput()]
+
+
+def adamw_with_warmup_cosine(module: L.LightningModule, hp: Any) -> dict[str, Any]:
+    """The recipes' optimizer: AdamW (decay on matrices and embeddings, not on biases and norms) with
+    linear warmup and cosine decay per step, from the hyper-parameters ``lr``, ``betas``,
+    ``weight_decay``, ``warmup_steps``, ``decay_steps`` (``None``: the Trainer's total) and ``min_lr_ratio``."""
+    decay, no_decay = [], []
+    for p in {id(p): p for p in module.parameters() if p.requires_grad}.values():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=hp.lr,
+        betas=tuple(hp.betas),
+    )
+    total = hp.decay_steps or max(1, int(module.trainer.estimated_stepping_batches))
+    schedule = functools.partial(warmup_cosine, warmup=hp.warmup_steps, total=total, min_ratio=hp.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

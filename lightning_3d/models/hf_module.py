@@ -9,14 +9,13 @@ the ones ``transformers`` reports for the same batch.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Union
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_3d.models.gpt import warmup_cosine
+from lightning_3d.models.gpt import adamw_with_warmup_cosine
 from lightning_3d.pretrained import from_pretrained
 
 
@@ -98,16 +97,4 @@ class HFCausalLMModule(L.LightningModule):
         return self(input_ids).logits.argmax(dim=-1)
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        decay, no_decay = [], []
-        for p in {id(p): p for p in self.parameters() if p.requires_grad}.values():
-            (decay if p.dim() >= 2 else no_decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-        )
-        total = hp.decay_steps or max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = functools.partial(warmup_cosine, warmup=hp.warmup_steps, total=total, min_ratio=hp.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup_cosine(self, self.hparams)
