@@ -54,7 +54,7 @@ def normalize_over_data_parallel(model: nn.Module, sequence: LayerSequence, grou
         loss = sequence.loss_of(out)
         if loss is None or not (model.training and torch.is_grad_enabled()):
             return out
-        count = sequence.target_count(sequence.inputs(args, kwargs))
+        count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
         factor = data_parallel_factor(count, group, loss.device).to(loss.dtype)
         if count == 0:  # this replica's targets are all masked: its mean is 0/0, its share is zero
             return sequence.with_loss(out, loss.nan_to_num(0.0) * factor)

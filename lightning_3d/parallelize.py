@@ -33,7 +33,7 @@ from lightning_3d.loss_normalization import normalize_over_data_parallel
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.precision import ThreeDPrecision
-from lightning_3d.pretrained import has_pretrained, load_pretrained_
+from lightning_3d.pretrained import has_pretrained, load_pretrained_, pretrained_models
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 from lightning_3d.topology import Topology
@@ -143,13 +143,15 @@ def _materialize(module: nn.Module, config: ParallelConfig, device: torch.device
     return on_meta
 
 
-def _pretrained_initializer(module: nn.Module, device: torch.device) -> Optional[Callable[[], Any]]:
-    """ZeRO-3: what fills a ``from_pretrained`` model's shards instead of ``reset_parameters()``."""
+def _pretrained_initializer(module: nn.Module, device: torch.device) -> Optional[Callable[[], list[nn.Module]]]:
+    """ZeRO-3: what fills a ``from_pretrained`` model's shards instead of ``reset_parameters()``
+    (returning the models it filled: modules outside them are still reset)."""
     if not has_pretrained(module):
         return None
 
-    def load_pretrained_weights() -> None:
+    def load_pretrained_weights() -> list[nn.Module]:
         load_pretrained_(module, device)
+        return pretrained_models(module)
 
     return load_pretrained_weights
 

@@ -232,8 +232,23 @@ class ThreeDPrecision(Precision):
         return self.compute_dtype != self.master_dtype
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        # Mixed modes: the ZeRO optimizer casts trainable parameters once it holds the fp32 masters.
-        return module.to(self.compute_dtype) if self.precision == "bf16-true" else module
+        """``bf16-true``: parameters and the buffers a checkpoint holds in bf16. Buffers a module
+        computes for itself and does not save (a rotary ``inv_freq``) keep their dtype, as Hugging
+        Face's bf16 models keep them: in bf16 the rotary angles of positions past a few dozen are off
+        by whole radians. Mixed modes: the ZeRO optimizer casts trainable parameters once it holds
+        the fp32 masters."""
+        if self.precision != "bf16-true":
+            return module
+        computed = [
+            (sub, name, buffer)
+            for sub in module.modules()
+            for name, buffer in sub._buffers.items()
+            if buffer is not None and name in sub._non_persistent_buffers_set
+        ]
+        module.to(self.compute_dtype)
+        for sub, name, buffer in computed:
+            sub._buffers[name] = buffer
+        return module
 
     def convert_input(self, data: Any) -> Any:
         if self.precision != "bf16-true":

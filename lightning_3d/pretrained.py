@@ -326,6 +326,11 @@ def _carriers(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def pretrained_models(root: nn.Module) -> list[nn.Module]:
+    """The outermost models inside ``root`` built by :func:`from_pretrained`."""
+    return [module for _, module in _carriers(root)]
+
+
 def has_pretrained(root: nn.Module) -> bool:
     """Whether ``root`` contains a model from :func:`from_pretrained` (loaded or not)."""
     return bool(_carriers(root))

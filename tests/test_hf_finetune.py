@@ -146,8 +146,39 @@ def fine_tune(path: Path, out: Path, **layout: Any) -> dict[str, Any]:
     return result
 
 
+class WithHead(FineTune):
+    """A pretrained backbone next to a head the user builds for real, trained through
+    ``output_hidden_states`` (an argument of the model's own at pipeline_parallel=1)."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            super().configure_model()
+            torch.manual_seed(5)
+            self.head = torch.nn.Linear(32, 4)
+
+    def on_fit_start(self) -> None:  # after the strategy's set-up: the head must be the one built
+        torch.manual_seed(5)
+        built = torch.nn.Linear(32, 4).weight
+        weight = self.head.weight
+        self.head_kept = torch.equal(weight.full_tensor() if hasattr(weight, "full_tensor") else weight, built)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        out = self.model(input_ids=ids, labels=ids, output_hidden_states=True)
+        return out.loss + 1e-3 * self.head(out.hidden_states[-1]).pow(2).mean()
+
+
+def head_next_to_a_pretrained_model(path: Path, **layout: Any) -> dict[str, Any]:
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0, strategy=ThreeDParallelStrategy(**layout))
+    module = WithHead(str(path))
+    trainer.fit(module, DataLoader(TensorDataset(tokens()), batch_size=BATCH // trainer.strategy.distributed_sampler_kwargs["num_replicas"]))
+    return {"head_kept": module.head_kept, "loss": float(trainer.callback_metrics.get("train_loss", torch.tensor(0.0)))}
+
+
 def world(root: str, layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     checks = {}
+    if "zero3" in layouts:  # ZeRO-3 materializes the head's shards around the pretrained ones
+        checks["head/zero3"] = lambda: head_next_to_a_pretrained_model(Path(root) / "llama", zero_stage=3)
     for kind in FAMILIES:
         for name, layout in layouts.items():
             out = Path(root) / "exports" / f"{kind}-{name}"
@@ -244,3 +275,23 @@ def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path)
     assert before.keys() == after.keys()
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert "model.layers.0.self_attn.q_proj.weight" in moved and all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_a_head_built_next_to_a_pretrained_model_keeps_its_weights(two) -> None:
+    """ZeRO-3 dp2: the pretrained files fill the backbone's shards, the user's real head keeps its
+    values (to_empty would have dropped them), and an HF keyword of the model's own
+    (``output_hidden_states``) passes the data-parallel loss weighting."""
+    assert all(result_of(r, "head/zero3")["head_kept"] for r in two)
+
+
+def test_bf16_true_keeps_computed_buffers_in_fp32(tmp_path: Path) -> None:
+    """bf16-true casts parameters, not the rotary inv_freq (in bf16 positions past a few dozen
+    rotate by wrong angles; transformers keeps it in fp32 too)."""
+    from lightning_3d.precision import ThreeDPrecision
+    from lightning_3d.pretrained import load_pretrained_
+
+    model = from_pretrained(make_checkpoint("llama", tmp_path))
+    load_pretrained_(model, "cpu")
+    ThreeDPrecision("bf16-true").convert_module(model)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -40,6 +40,9 @@ class LayerSequence:
         output: ``(loss, logits)`` -> what ``forward`` returns at ``pipeline_parallel=1``.
         loss_of: what ``forward`` returned -> its loss (``None`` without targets).
         with_loss: ``(what forward returned, new loss)`` -> the same output carrying the new loss.
+        loss_inputs: ``forward``'s ``(args, kwargs)`` -> what ``target_count`` needs, read without
+            ``inputs``' rules (at ``pipeline_parallel=1`` the model takes any argument of its own;
+            only the data-parallel loss weighting reads it). ``None``: ``inputs``.
     """
 
     blocks: nn.ModuleList
@@ -54,6 +57,7 @@ class LayerSequence:
     output: Callable[[Optional[Tensor], Optional[Tensor]], Any]
     loss_of: Callable[[Any], Optional[Tensor]] = field(default=lambda out: _tensor_loss_of(out))
     with_loss: Callable[[Any, Tensor], Any] = field(default=lambda out, loss: loss)
+    loss_inputs: Optional[Callable[[tuple, dict], Inputs]] = None
 
 
 def _tensor_loss_of(out: Any) -> Optional[Tensor]:

@@ -16,7 +16,7 @@ The strategy only calls :meth:`prepare_module`, :meth:`wrap_optimizers`, :meth:`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Optional
 
@@ -60,7 +60,9 @@ class ZeroCoordinator:
         """Whether some ZeRO optimizer keeps masters apart from the parameters (mixed precision, offload)."""
         return any(opt.separate_master for opt in self.zero_optimizers)
 
-    def prepare_module(self, module: nn.Module, device: torch.device, initialize: Optional[Callable[[], Any]] = None) -> None:
+    def prepare_module(
+        self, module: nn.Module, device: torch.device, initialize: Optional[Callable[[], Iterable[nn.Module]]] = None
+    ) -> None:
         """Stage 3: shard the module (and materialize it if it was built on the meta device; ``initialize``
         fills the shards instead of ``reset_parameters``, e.g. from pretrained weights)."""
         if self.stage != 3 or self.fsdp_roots:

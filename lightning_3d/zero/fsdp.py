@@ -12,7 +12,7 @@ then each top-level child of the LightningModule that owns parameters (the model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -110,7 +110,7 @@ def materialize_meta(
     device: torch.device,
     seed: int = 0,
     mesh: Optional[DeviceMesh] = None,
-    initialize: Optional[Callable[[], Any]] = None,
+    initialize: Optional[Callable[[], Iterable[nn.Module]]] = None,
 ) -> bool:
     """Allocate this rank's shards of a model built on the meta device and initialize them.
 
@@ -119,28 +119,34 @@ def materialize_meta(
     has the last word. Each rank initializes only its shards: the values are drawn from the same
     distributions as a dense init, not bit-identical to it. Memory is filled with NaN first, so a
     parameter or buffer that no ``reset_parameters`` wrote is found and named, never trained as
-    whatever ``torch.empty`` left there. ``initialize`` replaces the ``reset_parameters`` pass (a
-    pretrained model fills its shards from its files: :func:`lightning_3d.pretrained.load_pretrained_`).
-    Buffers that were not on the meta device (the rotary ``inv_freq``) keep their values.
+    whatever ``torch.empty`` left there.
+
+    ``initialize`` fills some modules itself and returns them (a pretrained model reads its shards
+    from its files: :func:`lightning_3d.pretrained.load_pretrained_`); ``reset_parameters`` then runs
+    only outside them and their ancestors (whose model-level init would overwrite them). Parameters
+    and buffers that were not on the meta device (a head built for real next to a pretrained
+    backbone, the rotary ``inv_freq``) keep their values: ``to_empty`` would have dropped them.
     """
     if not any(_is_meta(p) for p in root.parameters()):
         return False
-    kept = {name: b for name, b in root.named_buffers() if not _local(b).is_meta}
+    kept = {name: _local(t).detach().clone() for name, t in root.named_parameters() if not _is_meta(t)}
+    kept_buffers = {name: b for name, b in root.named_buffers() if not _local(b).is_meta}
     root.to_empty(device=device)
     restore_specs(root)  # to_empty() re-created FSDP2's parameters: initializers read their tp specs
     with torch.no_grad(), _per_rank_random(seed, device, mesh):
         for t in [*root.parameters(), *root.buffers()]:
             if t.is_floating_point():
                 _local(t).fill_(float("nan"))
-        for name, value in kept.items():
+        for name, value in kept_buffers.items():
             root.get_buffer(name).copy_(value)
-        if initialize is not None:
-            initialize()
-        else:
-            for module in reversed(list(root.modules())):
-                reset: Any = getattr(module, "reset_parameters", None)
-                if callable(reset) and module is not root:
-                    reset()
+        filled = list(initialize() or ()) if initialize is not None else []
+        skip = _filled_and_ancestors(root, filled)
+        for module in reversed(list(root.modules())):
+            reset: Any = getattr(module, "reset_parameters", None)
+            if callable(reset) and module is not root and id(module) not in skip:
+                reset()
+        for name, value in kept.items():
+            _local(root.get_parameter(name)).copy_(value)
     missing = [
         name
         for name, t in [*root.named_parameters(), *root.named_buffers()]
@@ -150,18 +156,29 @@ def materialize_meta(
     if dist.is_available() and dist.is_initialized():  # every rank raises, or none does (no hang)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
-        if initialize is not None:
-            raise ValueError(
-                f"zero_stage=3 materialized the meta-device model, but its initializer ({getattr(initialize, '__name__', initialize)}) "
-                f"did not write {missing[:5] or 'parts held by other ranks'}{' and more' if len(missing) > 5 else ''}."
-            )
+        what = f"{missing[:5] or 'parts held by other ranks'}{' and more' if len(missing) > 5 else ''}"
+        by = "no reset_parameters()" if initialize is None else f"neither {getattr(initialize, '__name__', 'the initializer')} nor a reset_parameters()"
         raise ValueError(
-            f"zero_stage=3 materialized the meta-device model, but no reset_parameters() initialized "
-            f"{missing[:5] or 'parts held by other ranks'}{' and more' if len(missing) > 5 else ''}: their memory is "
+            f"zero_stage=3 materialized the meta-device model, but {by} initialized {what}: their memory is "
             f"uninitialized. Give the modules that own them a reset_parameters() (or the model one that covers "
-            f"them), or build the model on a real device."
+            f"them), or build them on a real device."
         )
     return True
+
+
+def _filled_and_ancestors(root: nn.Module, filled: list[nn.Module]) -> set[int]:
+    """ids of the modules inside ``filled`` and of every module containing one of them."""
+    if not filled:
+        return set()
+    names = {id(m): name for name, m in root.named_modules()}
+    roots = [names[id(m)] for m in filled if id(m) in names]
+    out: set[int] = set()
+    for name, module in root.named_modules():
+        inside = any(r == "" or name == r or name.startswith(r + ".") for r in roots)
+        above = any(name == "" or r.startswith(name + ".") for r in roots)
+        if inside or above:
+            out.add(id(module))
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,11 @@ def _hf_inputs(args: tuple, kwargs: dict) -> Inputs:
     }
 
 
+def _hf_labels(args: tuple, kwargs: dict) -> Inputs:
+    """The labels, whatever else an unpipelined HF forward is given (for the dp loss weighting)."""
+    return {"labels": kwargs.get("labels")}
+
+
 def _hf_positions(batch: Inputs, hidden: Tensor) -> Tensor:
     """The micro-batch's ``position_ids`` if the batch has them, else ``0..T-1`` (as HF's forward)."""
     if "_positions" not in batch:
@@ -146,6 +151,7 @@ def hf_layer_sequence(
         output=_hf_output,
         loss_of=_hf_loss_of,
         with_loss=_hf_with_loss,
+        loss_inputs=_hf_labels,
     )
 
 
