@@ -106,7 +106,7 @@ def reference(path: Path) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
