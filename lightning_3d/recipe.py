@@ -1,4 +1,4 @@
-"""Turn a composed Hydra config (``conf/``) into a Trainer run, and summarize it.
+"""Turn a composed Hydra config (``lightning_3d/conf/``) into a Trainer run, and summarize it.
 
 ``recipes/train.py`` is a thin Hydra ``@main`` around :func:`train`; keeping the logic here
 makes it importable and testable without Hydra's process handling.
@@ -24,7 +24,9 @@ from lightning_3d.strategy import ThreeDParallelStrategy
 
 
 log = logging.getLogger(__name__)
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# The Hydra configs ship inside the package (package data), so an installed wheel finds them too;
+# ``--config-dir`` (recipes, ``lightning-3d plan``) still points elsewhere.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def compose_config(overrides: list[str], config_dir: Optional[Path] = None) -> DictConfig:
@@ -33,7 +35,10 @@ def compose_config(overrides: list[str], config_dir: Optional[Path] = None) -> D
 
     directory = Path(config_dir or CONF_DIR).resolve()
     if not (directory / "config.yaml").is_file():
-        raise FileNotFoundError(f"no Hydra config at {directory}/config.yaml; pass --config-dir <repo>/conf.")
+        raise FileNotFoundError(
+            f"no Hydra config at {directory}/config.yaml; --config-dir takes a directory holding config.yaml "
+            f"(the one shipped with the package is {CONF_DIR})."
+        )
     with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
@@ -139,6 +144,9 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
         "tokens_per_s": None if math.isnan(throughput.mean_tokens_per_s) else round(throughput.mean_tokens_per_s, 1),
         "world_size": trainer.world_size,
         "layout": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "zero_stage": strategy.config.zero_stage},
+        "flops_per_token": throughput.flops_per_token,  # model FLOPs (fwd + bwd, no recompute): the planner's count
+        "tflops_per_device": None if throughput.tflops_per_device is None else round(throughput.tflops_per_device, 4),
+        "mfu": None if throughput.mfu is None else round(throughput.mfu, 4),  # None on CPU: no peak to divide by
         "peak_memory_mb": round(throughput.peak_memory_mb, 1),
         "steps": trainer.global_step,
         "checkpoint": str(out_dir / "checkpoints" / "last.ckpt"),

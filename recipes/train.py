@@ -1,4 +1,4 @@
-"""Train the reference GPT from the Hydra configs in ``conf/``.
+"""Train the reference GPT from the Hydra configs in ``lightning_3d/conf/`` (``--config-dir`` overrides).
 
     python recipes/train.py                                  # defaults: local CPU, dp over 2 ranks
     python recipes/train.py parallel.data_parallel=2 trainer.max_steps=50
@@ -15,10 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import lightning_3d  # noqa: F401  (registers the "3d" strategy)
-from lightning_3d.recipe import train
+from lightning_3d.recipe import CONF_DIR, train
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     if summary is not None:

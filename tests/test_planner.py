@@ -28,7 +28,7 @@ from lightning_3d.planner import (
     zero_model_state_bytes,
 )
 from lightning_3d.planner.cli import parse_layout
-from lightning_3d.recipe import compose_config
+from lightning_3d.recipe import CONF_DIR, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -324,7 +324,7 @@ def test_lightning_3d_profile_prefers_its_features_when_they_pay() -> None:
 def test_cluster_configs_load_and_cite_their_figures(name: str) -> None:
     spec = cluster_of(name)
     assert spec.world_size >= 8 and spec.device.peak_tflops > 0
-    text = (ROOT / "conf" / "cluster" / f"{name}.yaml").read_text()
+    text = (CONF_DIR / "cluster" / f"{name}.yaml").read_text()
     assert "#" in text.split("name:")[0] or name == "local_cpu"  # a sourcing comment above the figures
 
 
@@ -397,6 +397,6 @@ def test_plan_command_table_json_and_layout() -> None:
 def test_one_calibration_constant_per_device_model() -> None:
     """Every A100 cluster uses the same device config, hence the same calibrated efficiency."""
     for name in ("a100_80g_1node", "jean_zay_bloom", "selene_mtnlg"):
-        text = (ROOT / "conf" / "cluster" / f"{name}.yaml").read_text()
+        text = (CONF_DIR / "cluster" / f"{name}.yaml").read_text()
         assert "gemm_efficiency" not in text
         assert cluster_of(name).device.model == "A100-SXM4-80GB"

@@ -14,7 +14,7 @@ import pytest
 from lightning_3d.config import ParallelConfig
 from lightning_3d.planner import Planner, problem_from_config
 from lightning_3d.planner.apply import layout_of, strategy_keywords
-from lightning_3d.recipe import compose_config
+from lightning_3d.recipe import CONF_DIR, compose_config
 from tests.test_launchers import _run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def test_slurm_launcher_takes_its_sizes_from_the_cluster() -> None:
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["recipe=bloom_176b", "hydra/launcher=slurm"], return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
         launcher = cfg.hydra.launcher

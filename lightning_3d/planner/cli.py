@@ -4,7 +4,7 @@
     lightning-3d plan recipe=bloom_176b --format json
     lightning-3d plan recipe=bloom_176b --layout tp=4,pp=12,dp=8,mb=2,zero=1
 
-Arguments without ``--`` are Hydra overrides of ``conf/config.yaml``, exactly as for
+Arguments without ``--`` are Hydra overrides of ``lightning_3d/conf/config.yaml``, exactly as for
 ``recipes/train.py``, so a recipe and its plan read the same config.
 """
 
@@ -112,7 +112,7 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--nodes", type=int, default=None, help="override the cluster's node count")
     parser.add_argument("--precision", default=None, help="default: trainer.precision")
     parser.add_argument("--cross-node-tp", action="store_true", help="let tensor parallelism span nodes")
-    parser.add_argument("--config-dir", default=None, help="the conf/ directory (default: the repository's)")
+    parser.add_argument("--config-dir", default=None, help="a Hydra config directory with config.yaml (default: the one shipped in lightning_3d/conf)")
     args = parser.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
