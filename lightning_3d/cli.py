@@ -2,11 +2,14 @@
 
 ``fit``/``validate``/``test``/``predict`` are LightningCLI over :class:`GPTModule` (or, with
 ``--model.init_from=HF_DIR``, :class:`HFCausalLMModule`: fine-tune that Hugging Face checkpoint) and
-:class:`TextDataModule`, so every Trainer, model and data argument is a flag or a YAML key:
+:class:`TextDataModule`, so every Trainer, model and data argument is a flag or a YAML key.
+``--model path.to.MyModule`` / ``--data path.to.MyData`` train the user's own classes instead
+(LightningCLI subclass mode):
 
     lightning-3d fit --trainer.strategy=3d --trainer.devices=2 --trainer.max_steps=50
     lightning-3d fit --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.data_parallel=2
     lightning-3d fit --config run.yaml
+    lightning-3d fit --model my_project.MyModule --model.hidden=256 --data my_project.MyData --trainer.strategy=3d
 
 ``prepare`` writes a memory-mapped token file from text files for ``--data.source``.
 """
@@ -21,9 +24,10 @@ from typing import Callable, Optional
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-USAGE = """usage: lightning-3d {fit,validate,test,predict,plan,prepare,consolidate,export} ...
+USAGE = """usage: lightning-3d [--version] {fit,validate,test,predict,plan,prepare,consolidate,export} ...
 
-  fit, validate, test, predict   LightningCLI over GPTModule + TextDataModule
+  fit, validate, test, predict   LightningCLI over GPTModule + TextDataModule, or your own
+                                 --model path.to.MyModule / --data path.to.MyData
                                  (lightning-3d fit --help lists every flag)
   plan [OVERRIDES] [--layout ...]  rank 3D layouts for a model on a cluster (docs/planner.md)
   prepare OUT INPUT [INPUT ...]  tokenize text files as bytes into OUT (.bin + .bin.json)
@@ -34,6 +38,7 @@ USAGE = """usage: lightning-3d {fit,validate,test,predict,plan,prepare,consolida
 examples:
   lightning-3d fit --trainer.strategy=3d --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=50
   lightning-3d fit --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.data_parallel=2
+  lightning-3d fit --model my_project.MyModule --data my_project.MyData --trainer.strategy=3d --trainer.devices=2
   lightning-3d fit --model.init_from=HF_DIR --data.block_size=128 --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.tensor_parallel=2
   lightning-3d plan model=bloom_176b cluster=jean_zay_bloom data.global_batch_size=2048
   lightning-3d prepare data/corpus.bin ~/texts && lightning-3d fit --data.source=data/corpus.bin
@@ -96,29 +101,71 @@ def plan_main(argv: list[str]) -> int:
     return run(argv)
 
 
+def _config_docs(argv: list[str]) -> list[dict]:
+    """The ``--config`` YAML files named on the command line, parsed (unreadable ones skipped:
+    LightningCLI reports those itself)."""
+    import yaml
+
+    paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    paths += [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+    docs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                doc = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(doc, dict):
+            docs.append(doc)
+    return docs
+
+
 def _init_from_given(argv: list[str]) -> bool:
     """Whether ``--model.init_from`` is set, on the command line or in a ``--config`` YAML file."""
     if any(a == "--model.init_from" or a.startswith("--model.init_from=") for a in argv):
         return True
-    configs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    configs += [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+    for doc in _config_docs(argv):
+        model = doc.get("model")
+        if isinstance(model, dict) and model.get("init_from"):
+            return True
+    return False
+
+
+def _names_a_class(argv: list[str], key: str) -> bool:
+    """Whether ``--model``/``--data`` (``key``) names the user's own class: ``--model path.to.MyModule``,
+    ``--model=MyModule``, ``--model '{"class_path": ...}'``, ``--model.help ...``, or a ``--config`` /
+    ``--model FILE`` whose ``model:`` has a ``class_path``. Then LightningCLI runs in subclass mode for
+    that group; a ``--model FILE`` of plain init arguments keeps the built-in class."""
     import yaml
 
-    for path in configs:
-        try:
-            with open(path) as f:
-                doc = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError):  # LightningCLI reports an unreadable config itself
+    values = [a.split("=", 1)[1] for a in argv if a.startswith(f"--{key}=")]
+    values += [b for a, b in zip(argv, argv[1:]) if a == f"--{key}"]
+    if any(a == f"--{key}.help" or a.startswith(f"--{key}.help=") for a in argv):
+        return True
+    for value in values:
+        if os.path.isfile(value):  # a config file for the group: a class only if it says class_path
+            try:
+                with open(value) as f:
+                    doc = yaml.safe_load(f)
+            except (OSError, yaml.YAMLError):
+                return True  # let LightningCLI parse (and report) it in subclass mode
+            if isinstance(doc, dict) and "class_path" in doc:
+                return True
             continue
-        model = doc.get("model") if isinstance(doc, dict) else None
-        if isinstance(model, dict) and model.get("init_from"):
+        return True
+    for doc in _config_docs(argv):
+        group = doc.get(key)
+        if isinstance(group, str) or (isinstance(group, dict) and "class_path" in group):
             return True
     return False
 
 
 def lightning_main(argv: list[str]) -> None:
     """LightningCLI over GPTModule, or over HFCausalLMModule when ``--model.init_from`` names a Hugging
-    Face checkpoint to fine-tune (its other flags are the same optimizer keys)."""
+    Face checkpoint to fine-tune (its other flags are the same optimizer keys), with TextDataModule.
+    ``--model path.to.MyModule`` / ``--data path.to.MyData`` name the user's own LightningModule /
+    LightningDataModule instead (LightningCLI subclass mode, ``--model.init_args.*`` or ``--model.*``
+    for their arguments)."""
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_3d  # noqa: F401  (registers strategy="3d")
@@ -126,9 +173,16 @@ def lightning_main(argv: list[str]) -> None:
     from lightning_3d.models import GPTModule
     from lightning_3d.models.hf_module import HFCausalLMModule
 
+    user_model, user_data = _names_a_class(argv, "model"), _names_a_class(argv, "data")
+    if user_model:
+        model_class = None  # any LightningModule, named by --model
+    else:
+        model_class = HFCausalLMModule if _init_from_given(argv) else GPTModule
     LightningCLI(
-        HFCausalLMModule if _init_from_given(argv) else GPTModule,
-        TextDataModule,
+        model_class,
+        None if user_data else TextDataModule,
+        subclass_mode_model=user_model,
+        subclass_mode_data=user_data,
         args=argv,
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
@@ -160,10 +214,40 @@ def _run(command: str, call: Callable[[], Optional[int]]) -> int:
         return 2
 
 
+def version() -> str:
+    """The installed distribution's version (the package's own when run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("lightning-3d")
+    except PackageNotFoundError:
+        from lightning_3d import __version__
+
+        return __version__
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """``lightning-3d``; output cut short by its reader (``lightning-3d --help | head -1``) ends quietly."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # Python's recipe: point stdout at devnull so the exit-time flush cannot raise again. Only
+        # this error, not SIGPIPE's default action: a training run must not die silently on a socket.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # as if killed by SIGPIPE, which is what `set -o pipefail` expects
+
+
+def _main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"lightning-3d {version()}")
         return 0
     commands = {"plan": plan_main, "prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
     if argv[0] in commands:

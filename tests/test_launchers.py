@@ -168,3 +168,25 @@ def test_cli_prepare_then_fit_on_the_token_file(tmp_path):
         [str(BIN / "lightning-3d"), "fit", "--trainer.strategy=3d", "--data.source=data/corpus.bin", *CLI_COMMON, *CLI_MODEL],
         cwd=tmp_path,
     )
+
+
+def test_lightning_cli_fit_trains_the_users_classes(tmp_path):
+    """``--model``/``--data`` name the user's own LightningModule and DataModule (LightningCLI subclass
+    mode) and they train under the 3D strategy at tensor_parallel=2; without them GPTModule stays the
+    default (the tests above)."""
+    _run(
+        [
+            str(BIN / "lightning-3d"), "fit",
+            "--model", "tests.cli_user_classes.MyLanguageModel", f"--model.marker_dir={tmp_path}",
+            "--data", "tests.cli_user_classes.MyTokenData", "--data.batch_size=2",
+            "--trainer.strategy=lightning_3d.ThreeDParallelStrategy", "--trainer.strategy.tensor_parallel=2",
+            "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false", "--trainer.logger=false",
+        ],
+        cwd=tmp_path,
+    )
+    ffn_rows = 4 * 32 // 2  # hidden 32, ffn 4x, split over tp=2
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text().split() == [
+            "MyLanguageModel", "MyTokenData", "steps=2", f"fc_rows={ffn_rows}"
+        ]
