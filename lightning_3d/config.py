@@ -7,12 +7,12 @@ the fix.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from lightning_3d import rank_zero
 from lightning_3d.layout_rules import (
     ModelLike,
     Refusal,
@@ -108,7 +108,7 @@ class ParallelConfig:
             "offload_params", self.offload_params, OFFLOAD_TARGETS, {None: "none", False: "none", True: "cpu"}
         )
         if self.sequence_parallel and self.tensor_parallel == 1:
-            warnings.warn("sequence_parallel=True has no effect with tensor_parallel=1; disabling it.", stacklevel=3)
+            rank_zero.warn("sequence_parallel=True has no effect with tensor_parallel=1; disabling it.", stacklevel=3)
             self.sequence_parallel = False
         self.timeout = _to_timedelta(self.timeout)
         invalid = [r for r in self.refusals() if not r.unsupported]

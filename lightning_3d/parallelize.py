@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from lightning_3d import rank_zero
 from lightning_3d.activation_checkpointing import attention_of, check_mode, checkpoint_blocks
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.config import ParallelConfig
@@ -207,7 +208,7 @@ def apply_pipeline(
         for _, model, sequence, _ in found
     ]
     for runtime in runtimes:
-        log.info("lightning_3d pipeline layout:\n%s", runtime.layout)
+        rank_zero.info(log, "lightning_3d pipeline layout:\n%s", runtime.layout, once=True)  # the same on every rank
     return runtimes
 
 

@@ -38,7 +38,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_3d import strict_comm
+from lightning_3d import rank_zero, strict_comm
+from lightning_3d.callbacks import use_global_model_summary
 from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.formats import JobState
 from lightning_3d.checkpoint.formats import checkpoint_format as checkpoint_format_for
@@ -295,7 +296,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         seed_tracker(self._rng_tracker, self._topology.tp_rank, self._topology.pp_rank, base_seed)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._topology.mesh
-        log.info("lightning_3d: %r", self._topology)
+        rank_zero.info(log, "lightning_3d: %r", self._topology, once=True)
+        rank_zero.quiet_deprecations_off_zero()
         destroy_process_group_at_exit()
         if self._health_check and self._monitor is None:
             self._monitor = HealthMonitor(self.config.timeout)
@@ -312,6 +314,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         optimizers, wrapped by ZeRO."""
         assert self.accelerator is not None and self.model is not None and self._rng_tracker is not None
         self.accelerator.setup(trainer)
+        use_global_model_summary(trainer)  # whole-model parameter counts, not this rank's shards
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
