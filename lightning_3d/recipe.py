@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_3d import rank_zero
 from lightning_3d.callbacks import MemoryProbe, TokenThroughput
 from lightning_3d.data import TextDataModule
 from lightning_3d.models import GPTConfig, GPTModule
@@ -54,6 +55,19 @@ def build_strategy(parallel: DictConfig) -> ThreeDParallelStrategy:
     return ThreeDParallelStrategy(**strategy_keywords(parallel))
 
 
+def build_logger(cfg: DictConfig, out_dir: Path) -> Any:
+    """The ``logger`` group (``conf/logger/``: csv, tensorboard, wandb) instantiated through its
+    ``_target_`` with ``save_dir`` = the run directory; a config without the group gets the CSV logger;
+    ``logger: null`` (a config of your own) runs without one."""
+    if "logger" not in cfg:
+        return CSVLogger(save_dir=str(out_dir), name="logs", version="")
+    if cfg.logger is None or cfg.logger is False:
+        return False
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.logger, save_dir=str(out_dir))
+
+
 def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
     cluster = cfg.cluster
     checkpoint = ModelCheckpoint(
@@ -69,7 +83,7 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list[L.Callback]) -
         devices=cluster.devices_per_node,
         num_nodes=cluster.num_nodes,
         strategy=build_strategy(cfg.parallel),
-        logger=CSVLogger(save_dir=str(out_dir), name="logs", version=""),
+        logger=build_logger(cfg, out_dir),
         callbacks=[checkpoint, *callbacks],
         **_plain(cfg.trainer),
     )
@@ -123,10 +137,17 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
     from lightning_3d.planner.apply import apply_auto_layout, predicted_memory
 
     cfg, planned = apply_auto_layout(cfg)
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=rank_zero.is_global_zero())  # one "Seed set" line
     probe = MemoryProbe(step=1)
-    trainer = build_trainer(cfg, out_dir, [TokenThroughput(), probe])
     model, data = build_model(cfg), build_data(cfg)
+    # GPTModule.configure_callbacks brings its own TokenThroughput: passing one too makes Lightning
+    # say so (once per fit and validate); pass ours only to models that do not.
+    peak = cfg.cluster.get("device", {}).get("peak_tflops") if cfg.cluster.accelerator == "cpu" else None
+    if peak:  # CPU has no peak-FLOPs table: MFU against the cluster config's (the planner's) figure
+        model.peak_flops = float(peak) * 1e12
+    own = model.configure_callbacks()
+    brings = any(isinstance(cb, TokenThroughput) for cb in ([own] if isinstance(own, L.Callback) else own or []))
+    trainer = build_trainer(cfg, out_dir, [probe] if brings else [TokenThroughput(), probe])
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
     # GPTModule.configure_callbacks may have replaced ours: read the one the Trainer used.
     throughput = next(cb for cb in trainer.callbacks if isinstance(cb, TokenThroughput))
@@ -158,7 +179,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
         # (an init_from checkpoint is not the GPT the planner would describe: no prediction for it)
         predicted = predicted_memory(cfg, trainer.world_size) if measured and init_from(cfg) is None else None
     except ValueError as err:
-        log.info("lightning_3d: no memory prediction for this run: %s", err)
+        rank_zero.info(log, "lightning_3d: no memory prediction for this run: %s", err)
         predicted = None
     if measured and predicted is not None:
         keys = ("params", "grads", "optimizer", "activations")
