@@ -17,7 +17,7 @@ no reference to the strategy (the layers never import it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
@@ -25,10 +25,12 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_3d.checkpoint.compatibility import check_compatible
 from lightning_3d.checkpoint.consolidated import (
+    _sharded_spec,
     full_optimizer_state,
     full_state_dict,
     keyed_by_index,
@@ -40,6 +42,7 @@ from lightning_3d.checkpoint.consolidated import (
     shard_state_dict,
 )
 from lightning_3d.checkpoint.manager import ShardedCheckpointer, check_keep_last_k
+from lightning_3d.tensor_parallel.spec import shard_like
 from lightning_3d.topology import Topology
 from lightning_3d.zero.coordinator import ZeroCoordinator
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
@@ -117,7 +120,10 @@ class CheckpointFormat:
         """``path`` as every rank agreed on it: a directory (or a missing path: an interrupted save, whose
         last good checkpoint is found) is sharded, a file is one dense checkpoint."""
         if path.is_dir() or not path.exists():
-            return self.checkpointer(job).load(str(path), weights_only=weights_only is not False, layout=job.layout)
+            checkpoint = self.checkpointer(job).load(str(path), weights_only=weights_only is not False, layout=job.layout)
+            if job.module is not None:
+                checkpoint["state_dict"] = LocalView(checkpoint["state_dict"], job.module)
+            return checkpoint
         assert job.checkpoint_io is not None
         torch.cuda.empty_cache()
         return job.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
@@ -131,6 +137,7 @@ class CheckpointFormat:
         assert module is not None
         check_compatible(module, checkpoint)  # one clear message before any shard-shape error
         source = checkpoint["state_dict"]
+        source = getattr(source, "dense", source)  # a sharded checkpoint: the dense tensors behind the local view
         dense = {k: source[k] for k in module.state_dict().keys() if k in source}  # other stages' layers skipped
         module.load_state_dict(shard_state_dict(module, dense), strict=strict)
         zero = job.zero
@@ -178,13 +185,61 @@ class CheckpointFormat:
             self._checkpointer = None
 
 
+class LocalView(Mapping):
+    """What ``on_load_checkpoint`` hooks see as ``checkpoint["state_dict"]`` of a sharded checkpoint:
+    keyed like this rank's ``module.state_dict()``, each value this rank's part of the checkpoint's
+    tensor re-cut for the running layout (a tensor-parallel slice; under ZeRO-3 a DTensor of its row
+    chunk), as ``on_save_checkpoint`` hooks saw it when saving. Built on access, one tensor at a time,
+    without collectives (hooks may read any keys in any order); read-only. ``dense`` is the dense view
+    the strategy restores from."""
+
+    def __init__(self, dense: Mapping[str, Tensor], module: nn.Module) -> None:
+        self.dense = dense
+        self.checkpoint = getattr(dense, "checkpoint", None)  # the reader (compatibility checks read its manifest)
+        self._local = module.state_dict(keep_vars=True)
+        self._keys = [k for k in self._local if k in dense]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._local or name not in self.dense:
+            raise KeyError(name)
+        value, target = self.dense[name], self._local[name]
+        if not isinstance(target, Tensor):
+            return value
+        spec = _sharded_spec(target)
+        local = shard_like(value, spec) if spec is not None else value
+        if hasattr(target, "device_mesh"):  # no scatter from rank 0: every rank cuts its own chunk
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(local.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+        return local.to(target.dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._local and name in self.dense
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class ShardedFormat(CheckpointFormat):
-    """A directory; every rank writes its pieces; Lightning's dict carries no tensors."""
+    """A directory; every rank writes its pieces. Lightning's dict carries this rank's local state dict
+    for the ``on_save_checkpoint`` hooks (the writer reads the module and optimizers, not that dict)."""
 
     name = "sharded"
 
+    def __init__(self, async_save: bool = False, keep_last_k: Optional[int] = None) -> None:
+        super().__init__(async_save, keep_last_k)
+        self._handed: Optional[tuple[dict[str, Any], dict[str, Any]]] = None
+
     def model_state(self, job: JobState) -> dict[str, Any]:
-        return {}  # ``save`` writes the pieces
+        """This rank's ``module.state_dict()``: its tensor-parallel slices, its pipeline stage's layers,
+        its ZeRO-3 shards as DTensors -- references, nothing gathered or copied."""
+        assert job.module is not None
+        state = job.module.state_dict()
+        self._handed = (state, dict(state))
+        return state
 
     def optimizer_state(self, job: JobState, optimizer: Any) -> dict[str, Any]:
         return {}
@@ -193,8 +248,24 @@ class ShardedFormat(CheckpointFormat):
         if storage_options is not None:
             raise TypeError("sharded checkpoints take no storage_options; use checkpoint_format='consolidated'.")
         assert job.module is not None
+        self._warn_if_changed(checkpoint.get("state_dict"))
         names = parameter_names(job.module)
         self.checkpointer(job).save(checkpoint, str(filepath), job.module, job.optimizers, names, job.aliases(names), job.layout)
+
+
+    def _warn_if_changed(self, given: Any) -> None:
+        handed, self._handed = self._handed, None
+        if handed is None:
+            return
+        state, items = handed
+        if given is state and len(given) == len(items) and all(given.get(k) is v for k, v in items.items()):
+            return
+        rank_zero_warn(
+            "lightning_3d: a hook changed checkpoint['state_dict'], which sharded checkpoints do not write (each rank "
+            "writes its module's and optimizers' own pieces; the dict is this rank's local view, for reading). Save "
+            "other weights under another key of the checkpoint (they are saved per rank), or load them into the "
+            "module before saving."
+        )
 
 
 class ConsolidatedFormat(CheckpointFormat):

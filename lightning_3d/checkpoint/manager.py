@@ -8,6 +8,7 @@ checkpoint at or beside the path, read lazily, so each rank assembles only the t
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 import warnings
@@ -18,12 +19,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_3d.checkpoint.compatibility import model_record
 from lightning_3d.checkpoint.collect import collect_model, collect_optimizer, merge_param_groups, named_param_groups, rng_tensors
 from lightning_3d.checkpoint.sharded import (
     CheckpointError,
+    copy_with_tensors,
+    describe_path,
+    tensor_signature,
     LazyDense,
     LazyOptimizerState,
     RankShard,
@@ -42,6 +46,60 @@ def check_keep_last_k(keep_last_k: Any) -> None:
     """``None`` (keep every checkpoint) or a positive integer; checked where the strategy is built."""
     if keep_last_k is not None and (isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1):
         raise ValueError(f"keep_last_k={keep_last_k!r} must be at least 1 (or None to keep every checkpoint).")
+
+
+def own_meta(shard: RankShard, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint dict without the model and optimizer states (the pieces hold them), its
+    tensors copied to the host now (an asynchronous save writes later; a DTensor as its local shard).
+    Rank 0's copy becomes ``meta.pt``. A rank whose dict holds non-scalar tensors -- what a hook put
+    there from this rank's shards, e.g. EMA weights -- also writes its own copy (``rank<r>.meta.pt``),
+    restored on the same rank when the layout is unchanged; their signatures go to the manifest."""
+
+    def host_copy(path: tuple, t: Tensor) -> Tensor:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        local = local.detach().to("cpu", copy=True)
+        if local.numel() > 1:
+            shard.extras.append({"path": list(path), **tensor_signature(local)})
+        return local
+
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    meta = copy_with_tensors(rest, host_copy)
+    if shard.extras:
+        shard.meta = meta
+    return meta
+
+
+def rank_meta(reader: ShardedCheckpoint, checkpoint: dict[str, Any], same_layout: bool, layout: dict[str, Any]) -> dict[str, Any]:
+    """What replaces rank 0's entries of the checkpoint dict on this rank: this rank's own dict when the
+    layout is unchanged. Under another layout rank 0's dict stands for every rank, which is right only
+    for values every rank held alike: non-scalar tensors that differed between ranks (state kept per
+    shard) cannot be re-cut without knowing what they are, and are refused."""
+    extras: dict[str, Any] = reader.manifest.get("extras") or {}
+    if not extras:
+        return {}
+    if same_layout:
+        mine = extras.get(str(dist.get_rank()))
+        if mine is None:
+            return {}
+        own = reader.meta(mine["file"])
+        own.pop("optimizer_param_groups", None)  # rank 0's meta.pt holds every rank's groups, merged
+        return own
+    ranks = sum(1 for name in reader.manifest["files"] if name.startswith("rank") and not name.endswith(".meta.pt"))
+    seen: dict[str, list[tuple]] = {}
+    for entry in extras.values():
+        for record in entry["tensors"]:
+            seen.setdefault(json.dumps(record["path"]), []).append((tuple(record["shape"]), record["dtype"], record["crc32"]))
+    differ = [json.loads(p) for p, sigs in seen.items() if len(sigs) < ranks or len(set(sigs)) > 1]
+    if not differ:
+        return {}
+    shown = ", ".join(describe_path(p) for p in differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+    raise CheckpointError(
+        f"checkpoint {reader.path} holds tensors that differ between ranks outside the model and optimizer states "
+        f"({shown}): a callback or hook saved state of each rank's own shards (e.g. EMA weights). They come back on "
+        f"the same rank only under the layout that wrote them ({reader.manifest['layout']}); this job's layout is "
+        f"{layout}, and they cannot be re-cut for it. Resume under the writing layout, or remove that state (the "
+        f"callback) from the checkpoint's writer and save again."
+    )
 
 
 class ShardedCheckpointer:
@@ -83,7 +141,7 @@ class ShardedCheckpointer:
             collect_optimizer(shard, index, optimizer, names, self.topology)
         shard.tensors.update(rng_tensors(self.tracker))
         groups = [named_param_groups(opt, names) for opt in optimizers]
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta = own_meta(shard, checkpoint)
         step = int(checkpoint.get("global_step", 0))
         context = (groups, meta, tmp, final, step, layout, aliases, start, model_record(module))
         self.last_stats = {"bytes": float(sum(t.numel() * t.element_size() for t in shard.tensors.values()))}
@@ -140,7 +198,9 @@ class ShardedCheckpointer:
         checkpoint["state_dict"] = LazyDense(reader, "model")
         groups = checkpoint.pop("optimizer_param_groups", [])
         checkpoint["optimizer_states"] = [{"state": LazyOptimizerState(reader, i), "param_groups": g} for i, g in enumerate(groups)]
-        if reader.manifest["layout"] == layout:  # same ranks, same roles: resume their random streams too
+        same_layout = reader.manifest["layout"] == layout
+        checkpoint.update(rank_meta(reader, checkpoint, same_layout, layout))
+        if same_layout:  # same ranks, same roles: resume their random streams too
             self._restore_rng(reader)
         checkpoint["lightning_3d_checkpoint"] = str(reader.path)
         return checkpoint

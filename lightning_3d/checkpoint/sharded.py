@@ -27,6 +27,7 @@ the temporary name and in every manifest). Any other missing path is an error: a
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ import time
 import warnings
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -77,11 +78,43 @@ class RankShard:
     pieces: list[Piece] = field(default_factory=list)
     tensors: dict[str, Tensor] = field(default_factory=dict)
     scalars: dict[str, dict[str, Any]] = field(default_factory=dict)  # "optim/<i>" -> name -> {"step": ...}
+    meta: Optional[dict[str, Any]] = None  # this rank's own checkpoint dict (see ShardedCheckpointer.save)
+    extras: list[dict[str, Any]] = field(default_factory=list)  # signatures of its non-scalar tensors
 
     def add(self, kind: str, name: str, tp: dict, local_shape: list[int], start: int, end: int, flat: Tensor) -> None:
         key = f"{len(self.pieces)}"
         self.pieces.append(Piece(kind, name, tp, list(local_shape), start, end, str(flat.dtype).replace("torch.", ""), key))
         self.tensors[key] = flat.detach().reshape(-1).to("cpu", copy=True)
+
+
+# -- tensors that hooks put into Lightning's checkpoint dict (per rank) --------------------------------
+
+
+def copy_with_tensors(obj: Any, on_tensor: Callable[[tuple, Tensor], Tensor], path: tuple = ()) -> Any:
+    """A copy of nested dicts (str or int keys) and lists in which every tensor ``t`` at ``path`` is
+    ``on_tensor(path, t)``; anything else is shared, not copied (tensors inside tuples or objects too)."""
+    if isinstance(obj, Tensor):
+        return on_tensor(path, obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            if isinstance(key, (str, int)) and not isinstance(key, bool):
+                out[key] = copy_with_tensors(value, on_tensor, path + (key,))
+        return out
+    if isinstance(obj, list):
+        return [copy_with_tensors(value, on_tensor, path + (i,)) for i, value in enumerate(obj)]
+    return obj
+
+
+def describe_path(path: list) -> str:
+    return "checkpoint" + "".join(f"[{key!r}]" for key in path)
+
+
+def tensor_signature(t: Tensor) -> dict[str, Any]:
+    """Shape, dtype and CRC32 of a CPU tensor's bytes: equal on every rank means replicated."""
+    t = t.contiguous()
+    crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else 0
+    return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "crc32": crc}
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -108,7 +141,11 @@ def write_rank_shard(tmp_dir: Path, shard: RankShard) -> dict[str, Any]:
     info = write_file(tmp_dir / name, shard.tensors)
     for piece in shard.pieces:
         piece.file = name
-    return {"file": name, "info": info, "pieces": [asdict(p) for p in shard.pieces], "scalars": shard.scalars}
+    written = {"file": name, "info": info, "pieces": [asdict(p) for p in shard.pieces], "scalars": shard.scalars}
+    if shard.meta is not None:
+        meta_name = f"rank{shard.rank}.meta.pt"
+        written["extras"] = {"file": meta_name, "info": write_file(tmp_dir / meta_name, shard.meta), "tensors": shard.extras}
+    return written
 
 
 def temporary_dir(final: Path, token: str, run_id: str) -> Path:
@@ -162,6 +199,8 @@ def build_manifest(
     for w in written:
         for kind, by_name in w["scalars"].items():
             scalars[kind].update(by_name)
+    files = {w["file"]: w["info"] for w in written}
+    files.update({w["extras"]["file"]: w["extras"]["info"] for w in written if w.get("extras")})
     return {
         "format": FORMAT,
         "step": step,
@@ -170,10 +209,12 @@ def build_manifest(
         "model": model,
         "versions": {"lightning_3d": lightning_3d.__version__, "torch": torch.__version__, "lightning": lightning.__version__},
         "created": time.time(),
-        "files": {w["file"]: w["info"] for w in written},
+        "files": files,
         "pieces": [p for w in written for p in w["pieces"]],
         "scalars": dict(scalars),
         "ties": ties,
+        # ranks that wrote their own checkpoint dict (rank<r>.meta.pt) and its non-scalar tensors
+        "extras": {str(i): {"file": w["extras"]["file"], "tensors": w["extras"]["tensors"]} for i, w in enumerate(written) if w.get("extras")},
     }
 
 
@@ -318,13 +359,15 @@ class ShardedCheckpoint:
         export) releases after each tensor; files are mapped again (not re-verified) on demand."""
         self._files.clear()
 
-    def meta(self) -> dict[str, Any]:
-        self.verify(META)
+    def meta(self, name: str = META) -> dict[str, Any]:
+        """Lightning's checkpoint dict as rank 0 had it (``meta.pt``), or as rank r had it
+        (``rank<r>.meta.pt``, written where hooks put non-scalar tensors into it)."""
+        self.verify(name)
         try:
-            return torch.load(self.path / META, map_location="cpu", weights_only=self.weights_only)
+            return torch.load(self.path / name, map_location="cpu", weights_only=self.weights_only)
         except Exception as err:  # noqa: BLE001 - pickle errors come in many types
             raise CheckpointError(
-                f"{self.path / META} holds objects beyond tensors and plain data and was not loaded "
+                f"{self.path / name} holds objects beyond tensors and plain data and was not loaded "
                 f"(weights_only=True protects against code in checkpoints). If you trust the file, load with "
                 f"trainer.fit(..., weights_only=False). Cause: {err}"
             ) from err
