@@ -150,6 +150,12 @@ def is_communication_error(exception: BaseException) -> bool:
 _sessions: dict[int, int] = {}  # rank -> monitors created: every rank creates its monitors in the same order
 
 
+def reset_sessions() -> None:
+    """Forget the monitors created so far: a new job in this process (the next job of a Hydra
+    multirun) starts counting with its freshly launched ranks, which count from zero."""
+    _sessions.clear()
+
+
 class HealthMonitor:
     def __init__(
         self,

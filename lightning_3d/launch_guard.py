@@ -172,11 +172,120 @@ class GuardedSubprocessScriptLauncher(_SubprocessScriptLauncher):
         return function(*args, **kwargs)
 
     def _call_children_scripts(self) -> None:
+        _remember_environment()
         os.environ[LAUNCHER] = f"{os.getpid()}:{self.cluster_environment.node_rank() * self.num_processes}"
         try:
-            super()._call_children_scripts()
+            if _hydra_multirun():
+                self._call_children_of_a_multirun_job()
+            else:
+                super()._call_children_scripts()
         finally:
             os.environ.pop(LAUNCHER, None)
+
+    def _call_children_of_a_multirun_job(self) -> None:
+        """Lightning's ``_call_children_scripts`` for a Hydra multirun job: Lightning would re-run the
+        whole command line (``-m`` and the sweep included) with ``hydra.run.dir``, so each rank would
+        start a sweep of its own, outside the job's directory. Here each child runs this job alone
+        (its resolved overrides, in single-run mode) with the job's output directory as its run dir."""
+        from hydra.utils import get_original_cwd
+
+        self._check_can_spawn_children()
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        for local_rank in range(1, self.num_processes):
+            env = os.environ.copy()
+            env["LOCAL_RANK"] = f"{local_rank}"
+            if os.environ.get("PL_GLOBAL_SEED") is None:
+                env.pop("PL_GLOBAL_SEED", None)
+            self.procs.append(subprocess.Popen(multirun_job_command(local_rank), env=env, cwd=get_original_cwd()))
+
+
+# -- Hydra multirun: ranks of one job --------------------------------------------------------------------
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+_environment_before: dict[str, Optional[str]] = {}
+# Hydra flags that take a value (kept for the children); -m/--multirun is dropped.
+_HYDRA_VALUE_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
+
+
+def _hydra_multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+    except ImportError:
+        return False
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _remember_environment() -> None:
+    if not _environment_before:
+        _environment_before.update({name: os.environ.get(name) for name in _LAUNCH_VARIABLES})
+
+
+def multirun_job_command(local_rank: int) -> list[str]:
+    """The command of local rank ``local_rank`` of the current Hydra multirun job: the script, its
+    Hydra flags (``--config-dir`` ...), the job's own overrides (one value per swept key), the user's
+    ``hydra.*`` overrides that are not about sweeping, and the job's output directory as run dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import to_absolute_path
+
+    import __main__
+
+    hydra = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        if arg in _HYDRA_VALUE_FLAGS and i + 1 < len(argv):
+            command += [arg, argv[i + 1]]
+        elif arg.startswith(tuple(f"{flag}=" for flag in _HYDRA_VALUE_FLAGS)):
+            command.append(arg)
+    command += list(hydra.overrides.task)
+    sweeping = ("hydra.mode=", "hydra.sweep.", "hydra/sweeper", "hydra.sweeper.", "hydra/launcher", "hydra.launcher.",
+                "hydra.run.dir=", "hydra.job.name=", "hydra.output_subdir=")
+    command += [o for o in hydra.overrides.hydra if not o.lstrip("+~").startswith(sweeping)]
+    command += [
+        f'hydra.run.dir="{hydra.runtime.output_dir}"',
+        f"hydra.job.name=train_ddp_process_{local_rank}",
+        "hydra.output_subdir=null",  # the job's .hydra/ is the launcher's to write
+    ]
+    return command
+
+
+def end_multirun_job(wait_s: float = 120.0) -> None:
+    """After one job of a Hydra multirun that launched ranks in this process: wait for its ranks,
+    close the process group and unset the launch variables, so the next job (in this same process,
+    with Hydra's basic launcher) launches its own ranks on a fresh port instead of taking the
+    ``LOCAL_RANK`` left behind for ranks started by someone else."""
+    deadline = time.monotonic() + wait_s
+    for child in list(_children):
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    failed = [c.returncode for c in _children if c.returncode != 0]
+    _children.clear()
+    from lightning_3d import fault  # imports this module: imported here, at the end of a job
+
+    fault.reset_sessions()  # the next job's ranks are new processes: their monitors count from zero
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name, value in _environment_before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _environment_before.clear()
+    if failed:
+        raise RuntimeError(f"lightning_3d: {len(failed)} rank(s) of this multirun job exited with {failed}")
 
 
 class GuardedMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -3,6 +3,8 @@
     python recipes/train.py                                  # defaults: local CPU, dp over 2 ranks
     python recipes/train.py parallel.data_parallel=2 trainer.max_steps=50
     python recipes/train.py model=gpt_small cluster=local_cpu trainer.precision=bf16-mixed
+    python recipes/train.py -m parallel=dp seed=1,2          # a sweep: each job's ranks write under its
+                                                             # sweep directory (hydra.sweep.dir/<job>)
 
 ``cfg.parallel`` keys are ``ThreeDParallelStrategy``'s keywords. Ends with a one-line JSON summary.
 """
@@ -12,15 +14,20 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import lightning_3d  # noqa: F401  (registers the "3d" strategy)
+from lightning_3d.launch_guard import end_multirun_job
 from lightning_3d.recipe import CONF_DIR, train
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    run = HydraConfig.get()
+    summary = train(cfg, Path(run.runtime.output_dir))
+    if run.mode == RunMode.MULTIRUN:  # the sweep's next job runs in this process: it launches its own ranks
+        end_multirun_job()
     if summary is not None:
         print(json.dumps(summary), flush=True)
 

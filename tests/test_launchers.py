@@ -190,3 +190,30 @@ def test_lightning_cli_fit_trains_the_users_classes(tmp_path):
         assert (tmp_path / f"rank{rank}.txt").read_text().split() == [
             "MyLanguageModel", "MyTokenData", "steps=2", f"fc_rows={ffn_rows}"
         ]
+
+
+def test_hydra_multirun_with_several_ranks_per_job_writes_under_the_sweep_dir(tmp_path):
+    """``-m`` with 2 jobs x 2 local ranks: each job's ranks run that job alone (not the whole sweep) and
+    write its outputs under ``hydra.sweep.dir/<job>``; nothing lands in ``hydra.run.dir``."""
+    sweep_dir, run_dir = tmp_path / "sweep", tmp_path / "run"
+    proc = _run(
+        [
+            sys.executable, str(ROOT / "recipes" / "train.py"), "-m",
+            "parallel=dp", "cluster.devices_per_node=2", "seed=1,2",
+            "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false", "data.max_bytes=100000",
+            *[f"model.{k}={v}" for k, v in TINY_GPT.items()],
+            f"hydra.sweep.dir={sweep_dir}", f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
+    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 2, proc.stdout  # one per job, from its rank 0
+    for job, summary in enumerate(summaries):
+        out = sweep_dir / str(job)
+        assert json.loads((out / "summary.json").read_text()) == summary
+        assert summary["world_size"] == 2 and summary["steps"] == 2
+        assert Path(summary["checkpoint"]).parent == out / "checkpoints" and (out / "checkpoints" / "last.ckpt" / "manifest.json").is_file()
+        assert (out / "train_ddp_process_1.log").is_file()  # the job's other rank ran there too
+    assert sorted(p.name for p in sweep_dir.iterdir()) == ["0", "1", "multirun.yaml"]
+    assert not run_dir.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
