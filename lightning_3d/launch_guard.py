@@ -1,6 +1,6 @@
 """No rank outlives its job: the launcher's children follow it, and a frozen rank can be killed.
 
-Three small pieces, each usable alone:
+Small pieces, each usable alone:
 
 - ``GuardedSubprocessScriptLauncher`` / ``GuardedMultiProcessingLauncher``: Lightning's launchers,
   plus a note in each child's environment naming the launcher. At its exit the launcher waits a
@@ -13,6 +13,8 @@ Three small pieces, each usable alone:
 - ``ProcessRecord``: host, pid and start time of a rank, published in the rendezvous store so that a
   peer on the same host can SIGKILL it once it is known to be frozen, and nothing else with a
   recycled pid.
+- Hydra multirun: the popen launcher starts each job's ranks on that job alone, in the job's
+  directory (``multirun_job_command``); ``end_multirun_job`` readies the process for the next job.
 """
 
 from __future__ import annotations
