@@ -183,7 +183,8 @@ def lightning_main(argv: list[str]) -> None:
         None if user_data else TextDataModule,
         subclass_mode_model=user_model,
         subclass_mode_data=user_data,
-        args=argv,
+        # The command line itself: Lightning reads sys.argv (given both, it warns on every run).
+        args=None if argv == sys.argv[1:] else argv,
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
     )
