@@ -78,12 +78,14 @@ def test_torchrun_two_nodes_of_two(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "layout"),
     [
-        (["parallel=dp", "cluster.devices_per_node=2"], {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}),
+        pytest.param(["parallel=dp", "cluster.devices_per_node=2"], {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}, marks=pytest.mark.slow),
         (
             ["parallel=dp", "cluster.devices_per_node=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
             {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0},
         ),
-        ([], {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1}),  # the default: 3D on 8 CPU processes
+        # the default (3D on 8 CPU processes; bloom_176b_tiny runs the same layout in `make test`) and
+        # plain dp2 (the multirun test runs it) are in `make test-slow`
+        pytest.param([], {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1}, marks=pytest.mark.slow),
     ],
     ids=["dp2", "tp2-sp", "default-3d"],
 )
@@ -134,8 +136,10 @@ CLI_COMMON = [
     "strategy_args",
     [
         ["--trainer.strategy=3d"],
-        ["--trainer.strategy=lightning_3d.ThreeDParallelStrategy", "--trainer.strategy.data_parallel=2"],
-        "yaml",
+        # the strategy by class path, as flags and in YAML: `make test-slow` (the subclass-mode test
+        # names the strategy by class path in `make test`)
+        pytest.param(["--trainer.strategy=lightning_3d.ThreeDParallelStrategy", "--trainer.strategy.data_parallel=2"], marks=pytest.mark.slow),
+        pytest.param("yaml", marks=pytest.mark.slow),
     ],
     ids=["name", "class-flags", "yaml-class-path"],
 )
