@@ -9,6 +9,7 @@ target's own directory, are flushed to disk, and replace the target with one ``o
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -53,3 +54,18 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_directory(tmp: Path, final: Path, aside: Path) -> None:
+    """Put the complete directory ``tmp`` at ``final``: ``tmp`` is synced, whatever stood at ``final``
+    moves to ``aside`` and is removed only after the rename is durable, so a crash leaves either the
+    old or the new one in place, never neither."""
+    fsync_directory(tmp)
+    replaced = None
+    if final.exists():
+        replaced = aside
+        os.replace(final, replaced)
+    os.replace(tmp, final)
+    fsync_directory(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True) if replaced.is_dir() else replaced.unlink(missing_ok=True)

@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_3d.checkpoint.atomic import fsync_directory
+from lightning_3d.checkpoint.atomic import replace_directory
 from lightning_3d.checkpoint.safetensors_format import CODE_OF_DTYPE, HEADER_LIMIT, INDEX_NAME, SINGLE_NAME
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -181,15 +181,7 @@ def staged_directory(out_dir: Union[str, Path]) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        fsync_directory(tmp)
-        replaced = None
-        if final.exists():
-            replaced = final.with_name(f".{final.name}.replaced-{stamp}")
-            os.replace(final, replaced)
-        os.replace(tmp, final)
-        fsync_directory(final.parent)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+        replace_directory(tmp, final, final.with_name(f".{final.name}.replaced-{stamp}"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_3d.checkpoint.atomic import fsync_directory
+from lightning_3d.checkpoint.atomic import replace_directory
 from lightning_3d.tensor_parallel.spec import assemble_dense
 
 FORMAT = "lightning_3d.sharded/1"
@@ -173,15 +173,7 @@ def publish(tmp_dir: Path, final: Path, manifest: dict[str, Any], meta: dict[str
         json.dump(manifest, f)
         f.flush()
         os.fsync(f.fileno())
-    fsync_directory(tmp_dir)
-    replaced = None
-    if final.exists():
-        replaced = final.with_name(f"{final.name}.replaced-{os.getpid()}-{time.time_ns()}")
-        os.replace(final, replaced)
-    os.replace(tmp_dir, final)
-    fsync_directory(final.parent)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True) if replaced.is_dir() else replaced.unlink(missing_ok=True)
+    replace_directory(tmp_dir, final, final.with_name(f"{final.name}.replaced-{os.getpid()}-{time.time_ns()}"))
 
 
 def build_manifest(
