@@ -312,16 +312,17 @@ def global_numel(param: torch.Tensor) -> int:
     return param.numel()  # a DTensor's numel is the global one
 
 
-def global_parameter_table(module: torch.nn.Module) -> dict[str, tuple[int, bool]]:
-    """``{name: (dense elements, trainable)}`` for every parameter of the whole model, gathered from all
-    ranks: each pipeline stage contributes its own names; tensor- and data-parallel peers hold the same
-    names with the same dense sizes, so the union counts each parameter once. A collective when the
-    default process group is initialized: every rank must call it."""
+def global_parameter_table(module: torch.nn.Module, group: Optional[Any] = None) -> dict[str, tuple[int, bool]]:
+    """``{name: (dense elements, trainable)}`` for every parameter of the whole model, gathered over
+    ``group``: each pipeline stage contributes its own names; tensor- and data-parallel peers hold the
+    same names with the same dense sizes, so the pipeline group (one rank per stage) is enough, and
+    each rank receives pp tables, not one per rank of the world (at 10,000 ranks that would be
+    gigabytes). ``None``: the default group. A collective over ``group``: every member must call it."""
     mine = {name: (global_numel(p), bool(p.requires_grad)) for name, p in module.named_parameters()}
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return mine
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
     table: dict[str, tuple[int, bool]] = {}
     for rank_table in gathered:
         for name, (numel, trainable) in rank_table.items():
@@ -330,13 +331,20 @@ def global_parameter_table(module: torch.nn.Module) -> dict[str, tuple[int, bool
     return table
 
 
+def _pipeline_group(model: L.LightningModule) -> Optional[Any]:
+    """The pipeline group of the strategy training ``model`` (``None``: the default group)."""
+    trainer = getattr(model, "_trainer", None)
+    topology = getattr(getattr(trainer, "strategy", None), "_topology", None)
+    return topology.pp_group if topology is not None else None
+
+
 class GlobalSummary(ModelSummary):
     """Lightning's :class:`~lightning.pytorch.utilities.model_summary.ModelSummary` with the whole
     model's parameter counts (:func:`global_parameter_table`) instead of this rank's shards; the same
     numbers as one process would print. Building it is a collective under a process group."""
 
     def __init__(self, model: L.LightningModule, max_depth: int = 1) -> None:
-        self._table = global_parameter_table(model)
+        self._table = global_parameter_table(model, _pipeline_group(model))
         super().__init__(model, max_depth=max_depth)
 
     @property
