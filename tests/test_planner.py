@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from lightning_3d.planner import (
 from lightning_3d.planner.cli import parse_layout
 from lightning_3d.recipe import CONF_DIR, compose_config
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose(*overrides: str):  # type: ignore[no-untyped-def]
@@ -363,19 +361,23 @@ def test_layout_world_mismatch_is_explained() -> None:
 
 
 # -- the command -------------------------------------------------------------------------------------
-def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_3d.cli", "plan", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """``lightning-3d plan ARGS`` in this process (tests/test_packaging.py runs the installed command)."""
+    from lightning_3d.planner.cli import plan_main
+
+    capsys.readouterr()
+    code = plan_main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["lightning-3d", "plan", *args], code, out, err)
 
 
-def test_plan_command_table_json_and_layout() -> None:
-    table = _plan("recipe=bloom_176b", "--top", "3")
+def test_plan_command_table_json_and_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    table = _plan(capsys, "recipe=bloom_176b", "--top", "3")
     assert table.returncode == 0, table.stderr
     assert "jean_zay_bloom: 48 x 8 A100-SXM4-80GB" in table.stdout and "TFLOP/s" in table.stdout
     assert len([line for line in table.stdout.splitlines() if line.strip()[:1].isdigit() and "|" in line]) == 3
 
-    as_json = _plan("recipe=bloom_176b", "--format", "json", "--top", "5")
+    as_json = _plan(capsys, "recipe=bloom_176b", "--format", "json", "--top", "5")
     rows = json.loads(as_json.stdout)
     assert [r["rank"] for r in rows] == [1, 2, 3, 4, 5]
     first = rows[0]
@@ -384,13 +386,13 @@ def test_plan_command_table_json_and_layout() -> None:
     assert first["step_seconds"] <= rows[-1]["step_seconds"]
     assert first["memory_gib"]["total"] < 80 / 1.073741824
 
-    one = _plan("recipe=bloom_176b", "--format", "json", "--software", "megatron_deepspeed_2022",
+    one = _plan(capsys, "recipe=bloom_176b", "--format", "json", "--software", "megatron_deepspeed_2022",
                 "--layout", "tp=4,pp=12,dp=8,mb=2,zero=1")
     (row,) = json.loads(one.stdout)
     assert row["layout"]["tp"] == 4 and row["layout"]["pp"] == 12 and row["fits"]
     assert row["strategy"]["micro_batches"] == 128
 
-    bad = _plan("model=bloom_176b", "cluster=jean_zay_bloom", "--layout", "tp=3,pp=12,dp=8")
+    bad = _plan(capsys, "model=bloom_176b", "cluster=jean_zay_bloom", "--layout", "tp=3,pp=12,dp=8")
     assert bad.returncode != 0 and "does not match the 384 devices" in bad.stderr
 
 
