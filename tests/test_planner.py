@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
