@@ -89,6 +89,18 @@ class ModelShape:
         norms = 2 * self.hidden * (2 if self.bias else 1)
         return norms + (2 * self.hidden if self.bias else 0)
 
+    def layer_tensor_sizes(self, tp: int = 1) -> list[float]:
+        """Elements of each parameter tensor of one layer on one tensor-parallel rank (norm weights
+        and biases, fused q/k/v, o, the MLP matrices): what a stack that gathers parameter by
+        parameter (DeepSpeed's ZeRO-3 of 2021) issues one collective for."""
+        h, b = self.hidden, self.bias
+        norm = [float(h)] * (2 if b else 1)
+        qkv_out = h + 2 * self.kv_width
+        mlp_in = (2 if self.gated_mlp else 1) * self.ffn
+        out = norm + [h * qkv_out / tp] + ([qkv_out / tp] if b else []) + [h * h / tp] + ([float(h)] if b else [])
+        out += norm + [h * mlp_in / tp] + ([mlp_in / tp] if b else []) + [self.ffn * h / tp] + ([float(h)] if b else [])
+        return out
+
     @property
     def layer_params(self) -> int:
         return self.layer_sharded_params + self.layer_replicated_params

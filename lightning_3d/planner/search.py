@@ -23,16 +23,12 @@ from lightning_3d.layout_rules import (
     tensor_parallel_refusals,
     world_refusals,
 )
+from lightning_3d.planner.collectives import NCCL_VERSIONS, Group, collective_cost
+from lightning_3d.planner.data_parallel import DataParallelTime, replicated_params_comm, sharded_params_comm
 from lightning_3d.planner.hardware import ClusterSpec
 from lightning_3d.planner.memory import ActivationOptions, activation_bytes, activations_in_flight, zero_model_state_bytes
 from lightning_3d.planner.model_shape import ModelShape
-from lightning_3d.planner.timing import (
-    head_cost,
-    layer_cost,
-    optimizer_seconds,
-    ring_allreduce_seconds,
-    ring_half_seconds,
-)
+from lightning_3d.planner.timing import head_cost, layer_cost, optimizer_seconds, p2p_seconds
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
@@ -63,6 +59,15 @@ class Software:
     balanced_stages: bool = True  # give the head's stage fewer layers (Megatron-LM 2021 splits layers evenly)
     uneven_stages: bool = True  # pp x v need not divide the layers (Megatron-LM 2021 requires it)
     interleaved_min_stages: int = 2  # fewest pipeline stages that may interleave (Megatron-LM: 3)
+    nccl: str = "2.30"  # whose latency tables (planner/collectives.py) its collectives pay
+    grad_bucket_mb: float = 25.0  # bytes per gradient / parameter collective (0: one for all)
+    overlap_grad_reduce_with_pp: bool = False  # the last micro-batch's backward hides it under pp > 1 too
+    overlap_param_gather: bool = False  # ZeRO-1/2's parameter all-gather hides behind the next forward
+    tp_comm_overlap: bool = False  # tensor-parallel collectives run inside the GEMMs (userbuffers)
+    p2p_overlap: bool = False  # pipeline sends and receives run behind compute
+    zero3_per_parameter: bool = False  # one all-gather per parameter tensor, not per layer
+    zero3_persist_below: float = 0.0  # tensors with fewer elements stay whole (not gathered)
+    zero3_own_adapter: bool = False  # its world-spanning gathers reach one adapter's share per device
 
 
 SOFTWARE: dict[str, Software] = {
@@ -83,6 +88,8 @@ SOFTWARE: dict[str, Software] = {
         balanced_stages=False,
         uneven_stages=False,
         interleaved_min_stages=3,
+        nccl="2.9",
+        grad_bucket_mb=0.0,  # one all-reduce over the contiguous gradient buffer
     ),
     # Megatron-DeepSpeed as used for BLOOM-176B and MT-NLG 530B: ZeRO-1 optional, DeepSpeed's
     # 1F1B pipeline (no interleaving), unfused attention, full recomputation.
@@ -97,6 +104,49 @@ SOFTWARE: dict[str, Software] = {
         overlap_grad_reduce=False,
         balanced_stages=False,
         extra_grad_bytes=4.0,  # bf16 grads + fp32 accumulation (DeepSpeed's bf16 optimizer)
+        nccl="2.9",
+        grad_bucket_mb=1000.0,  # reduce_bucket_size = allgather_bucket_size = 5e8 elements (DeepSpeed default)
+    ),
+    # DeepSpeed 0.3-0.5 ZeRO-3 under Megatron-LM's GPT, as Narayanan et al. 2021 (Table 2) ran it.
+    # From its code (partition_parameters.py / stage3.py, v0.4.0): one all_gather per parameter,
+    # tensors under stage3_param_persistence_threshold = 1e5 elements kept whole, the next tensor
+    # prefetched on a side stream while a module computes (device-wide synchronizes at every
+    # module bound the overlap to that module), reduce-scatters per parameter on a side stream. Its step times (flat from 768 to
+    # 1,536 GPUs) say its gathers moved at one adapter's share per GPU, not the node's eight
+    # (docs/planner.md, "ZeRO-3 at scale").
+    "deepspeed_zero3_2021": Software(
+        "deepspeed_zero3_2021",
+        zero_stages=(0, 1, 2, 3),
+        schedules=("1f1b",),
+        recompute=("none", "full"),
+        sequence_parallel=(False,),
+        offload=("none",),
+        flash_attention=False,
+        overlap_grad_reduce=True,
+        grad_reduce_bytes=2.0,
+        nccl="2.9",
+        grad_bucket_mb=1000.0,
+        zero3_per_parameter=True,
+        zero3_persist_below=1e5,
+        zero3_own_adapter=True,
+    ),
+    # Megatron-Core as NVIDIA's NeMo 24.12 benchmark recipes run it on DGX H100 (the H100
+    # calibration rows): distributed optimizer (ZeRO-1) with gradient reduce-scatter and parameter
+    # all-gather overlapped, tensor-parallel communication overlapped with the GEMMs, p2p overlap,
+    # fused attention, sequence parallelism, fp32 gradient reduction (bf16 main grads in fp32).
+    "megatron_core_2024": Software(
+        "megatron_core_2024",
+        zero_stages=(0, 1),
+        offload=("none",),
+        grad_reduce_bytes=4.0,
+        extra_grad_bytes=4.0,
+        balanced_stages=False,
+        uneven_stages=False,
+        grad_bucket_mb=160.0,  # Megatron-Core's DDP bucket: max(40M elements, ...) x 4 bytes
+        overlap_grad_reduce_with_pp=True,
+        overlap_param_gather=True,
+        tp_comm_overlap=True,
+        p2p_overlap=True,
     ),
 }
 
@@ -168,6 +218,7 @@ class Estimate:
     mfu: float  # model FLOPs (no recompute) / peak
     tokens_per_second: float
     split_points: list[int] = field(default_factory=list)
+    comm: dict[str, Any] = field(default_factory=dict)  # collective counts, latency / transfer / hidden terms
 
     def to_dict(self, global_batch: int) -> dict[str, Any]:
         gib = 1 / 2**30
@@ -185,6 +236,7 @@ class Estimate:
             "tflops_per_device": round(self.tflops_per_device, 2),
             "mfu": round(self.mfu, 4),
             "tokens_per_second": round(self.tokens_per_second, 1),
+            "comm": self.comm,
         }
 
 
@@ -263,11 +315,29 @@ class Planner:
             return min(cluster.intra_node_gb_per_s, members_per_node * self._per_device_network())
         return cluster.intra_node_gb_per_s
 
+    def _group(self, stride: int, size: int, own_adapter: bool = False) -> Group:
+        """The ``size`` ranks ``stride`` apart as :mod:`collectives` sees them. ``own_adapter``: a
+        stack whose gathers reach only the device's own network share (``zero3_own_adapter``)."""
+        cluster = self.problem.cluster
+        per_node = max(1, min(size, cluster.devices_per_node // stride)) if stride < cluster.devices_per_node else 1
+        nodes = max(1, -(-size // per_node))
+        bandwidth = self._bandwidth(stride, size)
+        if own_adapter and nodes > 1:
+            bandwidth = min(bandwidth, self._per_device_network())
+        return Group(size, nodes, bandwidth)
+
+    @property
+    def nccl(self):  # type: ignore[no-untyped-def]
+        return NCCL_VERSIONS[self.problem.software.nccl]
+
     def _layer_cost_uncached(self, mb: int, tp: int, sp: bool, recompute: str):  # type: ignore[no-untyped-def]
         p = self.problem
-        return layer_cost(
-            p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._bandwidth(1, tp)
+        cost = layer_cost(
+            p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._group(1, tp), self.nccl
         )
+        if p.software.tp_comm_overlap:  # chunked GEMMs hide the collectives they are longer than
+            cost = replace(cost, tp_comm=max(0.0, cost.tp_comm - cost.forward - cost.backward))
+        return cost
 
     # -- one layout --------------------------------------------------------------------------
     def evaluate(self, layout: Layout) -> Estimate:
@@ -276,9 +346,9 @@ class Planner:
         t, pp, d, mb, v = layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.virtual_stages
         m = layout.micro_batches(p.global_batch)
         cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute)
-        head_seconds = head_cost(model, cluster, mb, t) + 2 * ring_allreduce_seconds(
-            mb * model.seq_len * model.hidden * 2.0, t, self._bandwidth(1, t)
-        )
+        head_seconds = head_cost(model, cluster, mb, t)
+        if not p.software.tp_comm_overlap:
+            head_seconds += 2 * collective_cost("all_reduce", mb * model.seq_len * model.hidden * 2.0, self._group(1, t), self.nccl).seconds
         head_weight = head_seconds / cost.total if p.software.balanced_stages else 0.0
         layers, split_points = stage_layers(model.n_layer, pp, v, head_weight)
 
@@ -306,8 +376,9 @@ class Planner:
             buffers = 0.0
             if layout.zero_stage >= 1:  # two in-flight reduce buckets (bucket_size_mb=25), at most the grads
                 buffers += 2 * min(25 * 2**20, psi * p.software.grad_reduce_bytes)
-            if layout.zero_stage == 3:
-                buffers += 2 * c * (model.layer_sharded_params / t)  # gathered layer + prefetch
+            if layout.zero_stage == 3:  # the gathered unit + the prefetched one: a layer, or a tensor
+                unit = max(model.layer_tensor_sizes(t)) if p.software.zero3_per_parameter else model.layer_sharded_params / t
+                buffers += 2 * c * unit
             if pp > 1:
                 buffers += 2 * c * mb * model.seq_len * model.hidden / (t if layout.sequence_parallel else 1)
             memory = {
@@ -351,28 +422,13 @@ class Planner:
         if pp > 1:
             split = layout.sequence_parallel or p.software.p2p_scatter_gather
             nbytes = c * mb * model.seq_len * model.hidden / (t if split else 1)
-            bw = self._bandwidth(t * d, 2)
-            p2p = 2 * nbytes / (bw * 1e9 * 0.8)
+            p2p = 0.0 if p.software.p2p_overlap else 2 * p2p_seconds(nbytes, self._bandwidth(t * d, 2))
         per_micro_batch = stage_seconds + v * p2p
         bubble_factor = (pp - 1) / v
         pipeline = (m + bubble_factor) * per_micro_batch
 
-        grad_bytes = psi_max * p.software.grad_reduce_bytes
-        dp_bw = self._bandwidth(t, d)
-        if layout.zero_stage == 0:
-            dp_comm = ring_allreduce_seconds(grad_bytes, d, dp_bw)
-        elif layout.zero_stage in (1, 2):
-            dp_comm = ring_half_seconds(grad_bytes, d, dp_bw) + ring_half_seconds(psi_max * c, d, dp_bw)
-        else:  # gather weights in forward, backward (and recompute); reduce-scatter gradients
-            gathers = 2 + (1 if layout.recompute == "full" else 0)
-            dp_comm = m * gathers * ring_half_seconds(psi_max * c, d, dp_bw) + m * ring_half_seconds(grad_bytes, d, dp_bw)
-        last_backward = max(layers) * cost.backward
-        if layout.zero_stage == 3:
-            exposed_dp = max(0.0, dp_comm - pipeline)  # prefetch overlaps the gathers with compute
-        elif p.software.overlap_grad_reduce and pp == 1:
-            exposed_dp = max(0.0, dp_comm - last_backward)
-        else:
-            exposed_dp = dp_comm
+        dp_time = self._data_parallel_time(layout, layers, psi_max, cost)
+        exposed_dp = dp_time.exposed
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
         step = pipeline + exposed_dp + opt
 
@@ -390,6 +446,7 @@ class Planner:
             "dp_comm_exposed": exposed_dp,
             "optimizer": opt,
         }
+        comm = {"dp": dp_time.to_dict()}
         return Estimate(
             layout=layout,
             memory=best_memory,
@@ -403,6 +460,29 @@ class Planner:
             mfu=mfu,
             tokens_per_second=p.global_batch * model.seq_len / step,
             split_points=split_points,
+            comm=comm,
+        )
+
+    def _data_parallel_time(self, layout: Layout, layers: list[int], psi: float, cost: Any) -> DataParallelTime:
+        """The data-parallel collectives of one step on the heaviest stage (``psi`` parameters on
+        this tensor-parallel rank), and how much of them compute hides (data_parallel.py)."""
+        p, model, sw = self.problem, self.problem.model, self.problem.software
+        t, d, pp = layout.tp, layout.dp, layout.pp
+        m = layout.micro_batches(p.global_batch)
+        group = self._group(t, d, own_adapter=sw.zero3_own_adapter and layout.zero_stage == 3)
+        if layout.zero_stage == 3:
+            layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
+            return sharded_params_comm(
+                model.layer_tensor_sizes(t), max(layers), max(0.0, psi - max(layers) * layer_psi), m, self.c,
+                sw.grad_reduce_bytes, sw.zero3_per_parameter, sw.zero3_persist_below,
+                group, self.nccl, cost.forward + cost.tp_comm / 2, cost.backward + cost.tp_comm / 2, cost.linear_forward,
+                cost.forward if layout.recompute == "full" else 0.0,
+            )
+        overlaps = sw.overlap_grad_reduce and (pp == 1 or sw.overlap_grad_reduce_with_pp)
+        return replicated_params_comm(
+            layout.zero_stage, psi, self.c, sw.grad_reduce_bytes, sw.grad_bucket_mb * 2**20, group, self.nccl,
+            backward_window=max(layers) * cost.backward if overlaps else 0.0,
+            forward_window=m * max(layers) * cost.forward if sw.overlap_param_gather else 0.0,
         )
 
     # -- the search space ---------------------------------------------------------------------

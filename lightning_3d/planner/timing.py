@@ -8,8 +8,9 @@ Per micro-batch and pipeline stage, a transformer layer costs
   attention the scale-mask-softmax-dropout over ``a s^2`` scores): bytes moved / HBM bandwidth.
   The bytes per element below are counted from the kernels (read + write, 16-bit), not fitted;
 * tensor-parallel collectives: two per layer per pass (all-reduce, or all-gather + reduce-scatter
-  under sequence parallelism; the same bytes), ring cost 2 (t-1)/t x bytes over the link, not
-  overlapped (as in Megatron-LM).
+  under sequence parallelism; the same bytes), each costed by :mod:`collectives` (latency +
+  2 (t-1)/t x bytes over the link), not overlapped (as in Megatron-LM 2021; a stack that overlaps
+  them with its GEMMs says so in its software profile).
 
 A step is (m + (pp - 1) / v) micro-batch times of the slowest stage (the pipeline bubble of
 1F1B and GPipe; interleaving divides it by ``v``) plus point-to-point sends, the data-parallel
@@ -20,12 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_3d.planner.collectives import LINK_EFFICIENCY, Group, NcclVersion, collective_cost
 from lightning_3d.planner.hardware import ClusterSpec
 from lightning_3d.planner.model_shape import ModelShape
-
-# Fraction of a link's nominal bandwidth that large collectives reach (NCCL bus bandwidth over
-# NVLink/InfiniBand is typically 75-85% of nominal); a global constant, not per row or device.
-LINK_EFFICIENCY = 0.8
 # Fraction of HBM bandwidth element-wise kernels reach.
 HBM_EFFICIENCY = 0.8
 # Element-wise bytes per element per forward (16-bit), counted from the kernels:
@@ -52,21 +50,16 @@ class MicroBatchCost:
     forward: float
     backward: float  # includes recompute
     tp_comm: float
+    linear_forward: float = 0.0  # of ``forward``: the GEMMs of the layer's weight matrices alone
 
     @property
     def total(self) -> float:
         return self.forward + self.backward + self.tp_comm
 
 
-def ring_allreduce_seconds(nbytes: float, ranks: int, gb_per_s: float) -> float:
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    return 2.0 * (ranks - 1) / ranks * nbytes / (gb_per_s * 1e9 * LINK_EFFICIENCY)
-
-
-def ring_half_seconds(nbytes: float, ranks: int, gb_per_s: float) -> float:
-    """A reduce-scatter or an all-gather: half a ring all-reduce."""
-    return ring_allreduce_seconds(nbytes, ranks, gb_per_s) / 2.0
+def p2p_seconds(nbytes: float, gb_per_s: float) -> float:
+    """One point-to-point send of ``nbytes`` over a link of ``gb_per_s``."""
+    return nbytes / (gb_per_s * 1e9 * LINK_EFFICIENCY)
 
 
 def layer_cost(
@@ -77,7 +70,8 @@ def layer_cost(
     sequence_parallel: bool,
     recompute: str,
     flash_attention: bool,
-    tp_bandwidth: float,
+    tp_group: Group,
+    nccl: NcclVersion,
 ) -> MicroBatchCost:
     """One transformer layer, one micro-batch, on one device."""
     device = cluster.device
@@ -100,8 +94,9 @@ def layer_cost(
     backward = 2.0 * gemm_fwd + BACKWARD_FACTOR * elem_fwd + recompute_fwd
     collectives = 4 + (2 if recompute == "full" else 0)  # two in forward, two in backward, two in recompute
     activation = tokens * model.hidden * 2.0
-    tp_comm = collectives * ring_allreduce_seconds(activation, tp, tp_bandwidth)
-    return MicroBatchCost(forward, backward, tp_comm)
+    tp_comm = collectives * collective_cost("all_reduce", activation, tp_group, nccl).seconds
+    linear = gemm_fwd * 2.0 * model.layer_matmul_params / model.layer_forward_flops_per_token()
+    return MicroBatchCost(forward, backward, tp_comm, linear)
 
 
 def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int) -> float:
