@@ -14,66 +14,51 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from lightning_3d.planner import SOFTWARE, ModelShape, Planner, Problem, best_completion, load_cluster, rank, with_nodes
+from lightning_3d.planner import Planner, best_completion, rank
+from lightning_3d.planner.published import A100_3D, H100, PublishedRun, model_shape, problem, zero3_table_2
 from lightning_3d.recipe import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
-# (model, cluster, nodes, software, global batch, published layout, reported TFLOP/s per GPU, source)
-PUBLISHED: list[tuple[str, str, Any, str, int, dict[str, int], float, str]] = [
-    *[
-        (f"megatron_gpt_{n}", "selene_mtnlg", g // 8, "megatron_2021", b, dict(dp=g // (t * p), tp=t, pp=p), tf, "Narayanan 2021 T1")
-        for n, t, p, g, b, tf in [
-            ("1p7b", 1, 1, 32, 512, 137), ("3p6b", 2, 1, 64, 512, 138), ("7p5b", 4, 1, 128, 512, 142),
-            ("18p4b", 8, 1, 256, 1024, 135), ("39p1b", 8, 2, 512, 1536, 138), ("76p1b", 8, 4, 1024, 1792, 140),
-            ("145p6b", 8, 8, 1536, 2304, 148), ("310p1b", 8, 16, 1920, 2160, 155), ("529p6b", 8, 35, 2520, 2520, 163),
-            ("1t", 8, 64, 3072, 3072, 163),
-        ]
-    ],
-    ("bloom_176b", "jean_zay_bloom", None, "megatron_deepspeed_2022", 2048, dict(dp=8, tp=4, pp=12, micro_batch_size=2, zero_stage=1), 150, "BLOOM 2022"),
-    ("mt_nlg_530b", "selene_mtnlg", None, "megatron_deepspeed_2022", 1920, dict(dp=8, tp=8, pp=35, micro_batch_size=1), 126, "Smith 2022"),
-]
+GROUPS = {
+    "a100_3d": A100_3D,  # the twelve 3D rows, pinned within 15%
+    "zero3_table_2": zero3_table_2("gpt3_175b"),  # pinned within 20%
+    "zero3_table_2_530b": zero3_table_2("megatron_gpt_529p6b"),  # not pinned: out of sample
+    "h100": H100,  # the H100 calibration rows, pinned within 15%
+}
 
 
-def _problem(model: str, cluster: str, nodes: Any, software: str, batch: int) -> Problem:
-    cfg = compose_config([f"model={model}", f"cluster={cluster}"])
-    shape = ModelShape.from_config(OmegaConf.to_container(cfg.model))  # type: ignore[arg-type]
-    return Problem(shape, with_nodes(load_cluster(cfg.cluster), nodes), batch, SOFTWARE[software])
+def _row(run: PublishedRun, group: str) -> dict[str, Any]:
+    planner = Planner(problem(run))
+    estimate = best_completion(planner, run.layout)
+    ranked = [e.layout.degrees for e in rank(planner.search())] if group == "a100_3d" else []
+    reported = run.reported(model_shape(run))
+    return {
+        "group": group,
+        "model": run.name,
+        "source": run.source,
+        "layout": estimate.layout.short(),
+        "software": run.software,
+        "reported_tflops": round(reported, 1),
+        "predicted_tflops": round(estimate.tflops_per_device, 1),
+        "error": round(estimate.tflops_per_device / reported - 1, 3),
+        "fits": estimate.fits,
+        "rank": (ranked.index(estimate.layout.degrees) + 1 if estimate.fits else None) if ranked else None,
+        "of": len(ranked) or None,
+        "dp_comm": {k: v for k, v in estimate.comm["dp"].items() if k != "calls"},
+    }
 
 
 def validation(plot: Path | None = ROOT / "docs" / "img" / "planner_vs_published.png") -> dict[str, Any]:
-    rows = []
-    for model, cluster, nodes, software, batch, fixed, reported, source in PUBLISHED:
-        planner = Planner(_problem(model, cluster, nodes, software, batch))
-        estimate = best_completion(planner, fixed)
-        ranked_estimates = rank(planner.search())
-        ranked = [e.layout.degrees for e in ranked_estimates]
-        rows.append(
-            {
-                "model": model,
-                "source": source,
-                "layout": estimate.layout.short(),
-                "reported_tflops": reported,
-                "predicted_tflops": round(estimate.tflops_per_device, 1),
-                "error": round(estimate.tflops_per_device / reported - 1, 3),
-                "rank": ranked.index(estimate.layout.degrees) + 1 if estimate.fits else None,
-                "of": len(ranked),
-                "best": ranked_estimates[0].layout.short(),
-            }
-        )
-    errors = [abs(r["error"]) for r in rows]
+    rows = [_row(run, group) for group, runs in GROUPS.items() for run in runs]
     if plot is not None:
         _plot(rows, plot)
-    return {
-        "case": "planner_validation",
-        "rows": rows,
-        "mean_abs_error": round(statistics.mean(errors), 3),
-        "max_abs_error": round(max(errors), 3),
-        "top5": sum(1 for r in rows if r["rank"] and r["rank"] <= 5),
-        "runs": len(rows),
-        "plot": str(plot) if plot else None,
-    }
+    out: dict[str, Any] = {"case": "planner_validation", "rows": rows}
+    for group in GROUPS:
+        errors = [abs(r["error"]) for r in rows if r["group"] == group]
+        out[group] = {"mean_abs_error": round(statistics.mean(errors), 3), "max_abs_error": round(max(errors), 3), "runs": len(errors)}
+    out["a100_3d"]["top5"] = sum(1 for r in rows if r["rank"] and r["rank"] <= 5)
+    out["plot"] = str(plot) if plot else None
+    return out
 
 
 def _plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -83,20 +68,23 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.5, 5))
-    lo, hi = 110, 185
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    lo, hi = 30, 700
     ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="exact")
     ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="0.9", label="within 15%")
-    for r in rows:
-        color = "tab:blue" if r["source"].startswith("Narayanan") else "tab:orange"
-        ax.scatter(r["reported_tflops"], r["predicted_tflops"], color=color)
-        ax.annotate(r["model"].replace("megatron_gpt_", ""), (r["reported_tflops"], r["predicted_tflops"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    colors = {"a100_3d": "tab:blue", "zero3_table_2": "tab:red", "zero3_table_2_530b": "tab:pink", "h100": "tab:green"}
+    labels = {"a100_3d": "A100 3D (12 rows)", "zero3_table_2": "A100 ZeRO-3, 175B", "zero3_table_2_530b": "A100 ZeRO-3, 530B (not fitted)", "h100": "H100 (NeMo 24.x)"}
+    for group, color in colors.items():
+        mine = [r for r in rows if r["group"] == group]
+        ax.scatter([r["reported_tflops"] for r in mine], [r["predicted_tflops"] for r in mine], color=color, label=labels[group], s=18)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("reported TFLOP/s per A100")
-    ax.set_ylabel("planner's prediction (one calibration constant)")
-    ax.set_title("Planner vs published runs (blue: Narayanan 2021 Table 1)")
-    ax.legend(loc="upper left")
+    ax.set_xlabel("reported TFLOP/s per GPU")
+    ax.set_ylabel("planner's prediction")
+    ax.set_title("Planner vs published runs")
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -26,6 +26,8 @@ from lightning_3d.planner import (
     zero_model_state_bytes,
 )
 from lightning_3d.planner.cli import parse_layout
+from lightning_3d.planner.published import A100_3D, PublishedRun
+from lightning_3d.planner.published import problem as published_problem
 from lightning_3d.recipe import CONF_DIR, compose_config
 
 
@@ -154,33 +156,9 @@ def test_flops_are_narayanans_formula(model: str) -> None:
 
 
 # -- published runs -------------------------------------------------------------------------------
-# Narayanan et al. 2021, Table 1 (Selene, A100 80GB, s = 2048, V = 51200, fp16, full recompute):
-# model, t, p, GPUs, global batch, achieved TFLOP/s per GPU.
-NARAYANAN_TABLE_1 = [
-    ("megatron_gpt_1p7b", 1, 1, 32, 512, 137),
-    ("megatron_gpt_3p6b", 2, 1, 64, 512, 138),
-    ("megatron_gpt_7p5b", 4, 1, 128, 512, 142),
-    ("megatron_gpt_18p4b", 8, 1, 256, 1024, 135),
-    ("megatron_gpt_39p1b", 8, 2, 512, 1536, 138),
-    ("megatron_gpt_76p1b", 8, 4, 1024, 1792, 140),
-    ("megatron_gpt_145p6b", 8, 8, 1536, 2304, 148),
-    ("megatron_gpt_310p1b", 8, 16, 1920, 2160, 155),
-    ("megatron_gpt_529p6b", 8, 35, 2520, 2520, 163),
-    ("megatron_gpt_1t", 8, 64, 3072, 3072, 163),
-]
-PUBLISHED = [
-    pytest.param(model, "selene_mtnlg", gpus // 8, "megatron_2021", batch, dict(dp=gpus // (t * p), tp=t, pp=p), tflops, id=model)
-    for model, t, p, gpus, batch, tflops in NARAYANAN_TABLE_1
-] + [
-    # BLOOM paper (BigScience 2022), section 3.4 / model card: 384 A100 80GB, tp4 pp12 dp8, ZeRO-1,
-    # micro-batch 2, global batch 2048; "about 150 TFLOP/s per GPU" (156 at the best of the run).
-    pytest.param("bloom_176b", "jean_zay_bloom", None, "megatron_deepspeed_2022", 2048,
-                 dict(dp=8, tp=4, pp=12, micro_batch_size=2, zero_stage=1), 150, id="bloom_176b"),
-    # Smith et al. 2022 (MT-NLG), section 2.3: 280 DGX A100 nodes, tp8 pp35 dp8, global batch 1920,
-    # micro-batch 1: 126 TFLOP/s per GPU (60.1 s per iteration).
-    pytest.param("mt_nlg_530b", "selene_mtnlg", None, "megatron_deepspeed_2022", 1920,
-                 dict(dp=8, tp=8, pp=35, micro_batch_size=1), 126, id="mt_nlg_530b"),
-]
+# The published 3D runs (lightning_3d/planner/published.py): Narayanan et al. 2021 Table 1,
+# BLOOM-176B, MT-NLG 530B, each with the software profile of its time.
+PUBLISHED = [pytest.param(run, id=run.name) for run in A100_3D]
 # Where the planner ranks the published layout below 5th: it predicts lower tensor parallelism
 # (tp 2-4 with a short pipeline) faster by 10-20%. Narayanan et al. did not measure those layouts
 # for these rows; their controlled sweeps (section 5.4, pinned below) order layouts as the
@@ -188,25 +166,20 @@ PUBLISHED = [
 KNOWN_RANK = {"megatron_gpt_18p4b": 7, "megatron_gpt_39p1b": 8}
 
 
-@pytest.fixture(scope="module")
-def published_results() -> dict[str, tuple]:
-    return {}
-
-
-@pytest.mark.parametrize("model,cluster,nodes,software,batch,fixed,reported", PUBLISHED)
-def test_published_layouts(model, cluster, nodes, software, batch, fixed, reported) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("run", PUBLISHED)
+def test_published_layouts(run: PublishedRun) -> None:
     """The published layout fits, ranks near the top, and its predicted TFLOP/s per GPU is within
     15% of the reported figure -- with the one calibrated constant of the A100 config for all."""
-    spec = cluster_of(cluster, nodes)
-    assert spec.device.model == "A100-SXM4-80GB"
-    assert spec.device.gemm_efficiency == compose("cluster=a100_80g_1node").cluster.device.gemm_efficiency
-    planner = Planner(Problem(shape_of(model), spec, batch, SOFTWARE[software]))
-    estimate = best_completion(planner, fixed)
+    problem = published_problem(run)
+    assert problem.cluster.device.model == "A100-SXM4-80GB"
+    assert problem.cluster.device.gemm_efficiency == compose("cluster=a100_80g_1node").cluster.device.gemm_efficiency
+    planner = Planner(problem)
+    estimate = best_completion(planner, run.layout)
     assert estimate.fits, estimate.why_not
     ranked = [e.layout.degrees for e in rank(planner.search())]
     position = ranked.index(estimate.layout.degrees) + 1
-    assert position <= KNOWN_RANK.get(model, 5), (position, ranked[:8])
-    assert estimate.tflops_per_device == pytest.approx(reported, rel=0.15)
+    assert position <= KNOWN_RANK.get(run.name, 5), (position, ranked[:8])
+    assert estimate.tflops_per_device == pytest.approx(run.reported_tflops, rel=0.15)
 
 
 # Narayanan et al. 2021, section 5.4: controlled sweeps on 64 A100s (8 DGX nodes), micro-batch 1,

@@ -83,7 +83,7 @@ def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds:
         schedule = "-" if lay.pp == 1 else ("interl." + f"v{lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule)
         other = mem["buffers"] + mem["reserved"]
         activations = mem["activations"] + mem["recompute"]
-        flag = "" if e.fits else f"  DOES NOT FIT: {e.why_not}"
+        flag = ("" if e.fits else f"  DOES NOT FIT: {e.why_not}") + ("  *" if e.caveats else "")
         lines.append(
             f"{i:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.micro_batch_size:>3} {lay.micro_batches(problem.global_batch):>5} "
             f"{schedule:>11} {lay.zero_stage:>4} {'y' if lay.sequence_parallel else 'n':>3} {lay.recompute:>9} {lay.offload:>7} | "
@@ -93,6 +93,8 @@ def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds:
         )
     if not rows:
         lines.append("no layout fits: add nodes, allow offload/recompute (software profile), or lower the micro-batch.")
+    for caveat in dict.fromkeys(c for e in rows for c in e.caveats):
+        lines.append(f"* {caveat}")
     return "\n".join(lines)
 
 

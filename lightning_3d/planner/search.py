@@ -36,6 +36,11 @@ OFFLOAD = ("none", "cpu", "nvme")
 # Fraction of device memory the caching allocator can hand out before fragmentation bites; a
 # plan that needs more is rejected (PyTorch typically loses 5-10% to fragmentation at peak).
 ALLOCATOR_HEADROOM = 0.95
+# ZeRO-3 gathers across more nodes than this rest on NCCL's ring physics alone: the one published
+# ZeRO-3 at scale (Narayanan et al. 2021, Table 2: DeepSpeed, 48-192 nodes) moved its gathers at
+# an eighth of that bandwidth, and no published run of a prefetching stack at that scale checks
+# it (docs/planner.md, "ZeRO-3 at scale"). Such estimates carry a caveat.
+ZERO3_VALIDATED_NODES = 8
 PRECISIONS = {"bf16-mixed": (2.0, 12.0), "16-mixed": (2.0, 12.0), "32-true": (4.0, 8.0)}  # (c, K) bytes
 
 
@@ -139,7 +144,7 @@ SOFTWARE: dict[str, Software] = {
         zero_stages=(0, 1),
         offload=("none",),
         grad_reduce_bytes=4.0,
-        extra_grad_bytes=4.0,
+        extra_grad_bytes=2.0,  # fp32 main grads only: gradient_accumulation_fusion writes them directly
         balanced_stages=False,
         uneven_stages=False,
         grad_bucket_mb=160.0,  # Megatron-Core's DDP bucket: max(40M elements, ...) x 4 bytes
@@ -219,6 +224,7 @@ class Estimate:
     tokens_per_second: float
     split_points: list[int] = field(default_factory=list)
     comm: dict[str, Any] = field(default_factory=dict)  # collective counts, latency / transfer / hidden terms
+    caveats: list[str] = field(default_factory=list)  # where the estimate leaves what published runs checked
 
     def to_dict(self, global_batch: int) -> dict[str, Any]:
         gib = 1 / 2**30
@@ -237,6 +243,7 @@ class Estimate:
             "mfu": round(self.mfu, 4),
             "tokens_per_second": round(self.tokens_per_second, 1),
             "comm": self.comm,
+            "caveats": self.caveats,
         }
 
 
@@ -447,6 +454,14 @@ class Planner:
             "optimizer": opt,
         }
         comm = {"dp": dp_time.to_dict()}
+        caveats = []
+        dp_nodes = self._group(t, d).nodes
+        if layout.zero_stage == 3 and not p.software.zero3_own_adapter and dp_nodes > ZERO3_VALIDATED_NODES:
+            caveats.append(
+                f"ZeRO-3 over {dp_nodes} nodes assumes its gathers reach NCCL's ring bandwidth; the one published "
+                f"ZeRO-3 run at this scale (DeepSpeed 2021) reached 1/{cluster.devices_per_node} of it. Measure a few "
+                f"steps first; --software deepspeed_zero3_2021 shows that bound."
+            )
         return Estimate(
             layout=layout,
             memory=best_memory,
@@ -461,6 +476,7 @@ class Planner:
             tokens_per_second=p.global_batch * model.seq_len / step,
             split_points=split_points,
             comm=comm,
+            caveats=caveats,
         )
 
     def _data_parallel_time(self, layout: Layout, layers: list[int], psi: float, cost: Any) -> DataParallelTime:
@@ -628,8 +644,9 @@ class Planner:
                 if s != "interleaved_1f1b":
                     pairs += [(s, v) for v in choices("virtual_stages", [1])]
                     continue
-                even = [v for v in range(2, 9) if model.n_layer % (pp * v) == 0]
-                pairs += [(s, v) for v in choices("virtual_stages", even or ([2] if "schedule" in fixed else []))]
+                # v pieces per stage; uneven pieces only where the profile splits layers unevenly
+                fitting = [v for v in range(2, 9) if pp * v <= model.n_layer and (sw.uneven_stages or model.n_layer % (pp * v) == 0)]
+                pairs += [(s, v) for v in choices("virtual_stages", fitting or ([2] if "schedule" in fixed else []))]
         sps = choices("sequence_parallel", [s for s in sw.sequence_parallel if not s or t > 1])
         for mb in sizes:
             for schedule, v in pairs:
