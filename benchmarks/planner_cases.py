@@ -66,6 +66,7 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.5, 5.5))
@@ -81,6 +82,11 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
+    ticks = [40, 60, 100, 150, 200, 300, 500]
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        axis.set_major_formatter(matplotlib.ticker.FixedFormatter([str(t) for t in ticks]))
+        axis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("reported TFLOP/s per GPU")
     ax.set_ylabel("planner's prediction")
     ax.set_title("Planner vs published runs")
