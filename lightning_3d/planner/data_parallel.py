@@ -125,11 +125,14 @@ def sharded_params_comm(
     layer_backward: float,
     layer_linear_forward: float = 0.0,
     layer_recompute: float = 0.0,
+    copy_bytes_per_second: float = 0.0,
 ) -> DataParallelTime:
     """ZeRO 3 over ``layers`` layers whose parameter tensors have ``layer_tensors`` elements (on
     this tensor-parallel rank), plus ``other_params`` (embedding, head) gathered as one unit.
     ``layer_forward`` / ``layer_backward``: one layer's compute for one micro-batch (backward
-    includes ``layer_recompute``); ``layer_linear_forward``: the forward's weight GEMMs alone.
+    includes ``layer_recompute``); ``layer_linear_forward``: the forward's weight GEMMs alone;
+    ``copy_bytes_per_second``: the device memory rate of FSDP2's copy of each gathered layer out of
+    the all-gather buffer into its parameters, which runs on the compute stream (exposed).
 
     Per layer (FSDP2, ``per_parameter=False``): the next layer's gather hides behind this layer's
     forward; in backward the next gather and this layer's reduce-scatter share the links behind
@@ -168,7 +171,9 @@ def sharded_params_comm(
     else:
         forward = _prefetch_exposed(g, [layer_forward])
         backward = max(0.0, g[0] + rs - layer_backward)
-        exposed = micro_batches * (layers * (forward + backward) + g[0] + rs)
+        copy_out = 2.0 * gathered[0] * c / copy_bytes_per_second if copy_bytes_per_second > 0 else 0.0  # read + write
+        exposed = micro_batches * (layers * (forward + backward + 2 * copy_out) + g[0] + rs)
+        out.detail["copy_out"] = {"count": int(passes), "seconds_each": copy_out, "latency_s": 0.0, "transfer_s": 0.0}
     out.exposed = min(total, exposed + edges)
     out.hidden = total - out.exposed
     return out

@@ -28,7 +28,7 @@ from lightning_3d.planner.data_parallel import DataParallelTime, replicated_para
 from lightning_3d.planner.hardware import ClusterSpec
 from lightning_3d.planner.memory import ActivationOptions, activation_bytes, activations_in_flight, zero_model_state_bytes
 from lightning_3d.planner.model_shape import ModelShape
-from lightning_3d.planner.timing import head_cost, layer_cost, optimizer_seconds, p2p_seconds
+from lightning_3d.planner.timing import HBM_EFFICIENCY, head_cost, layer_cost, optimizer_seconds, p2p_seconds
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
@@ -493,6 +493,7 @@ class Planner:
                 sw.grad_reduce_bytes, sw.zero3_per_parameter, sw.zero3_persist_below,
                 group, self.nccl, cost.forward + cost.tp_comm / 2, cost.backward + cost.tp_comm / 2, cost.linear_forward,
                 cost.forward if layout.recompute == "full" else 0.0,
+                0.0 if sw.zero3_per_parameter else self.problem.cluster.device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY,
             )
         overlaps = sw.overlap_grad_reduce and (pp == 1 or sw.overlap_grad_reduce_with_pp)
         return replicated_params_comm(
