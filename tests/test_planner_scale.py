@@ -134,8 +134,8 @@ def test_json_breakdown_shows_each_term(capsys: pytest.CaptureFixture[str]) -> N
     (row,) = json.loads(capsys.readouterr().out)
     assert code == 0
     dp = row["comm"]["dp"]
-    assert {"collectives", "latency_s", "transfer_s", "hidden_s", "exposed_s", "calls"} <= set(dp)
-    assert dp["hidden_s"] + dp["exposed_s"] == pytest.approx(dp["latency_s"] + dp["transfer_s"], abs=1e-3)
+    assert {"collectives", "latency_s", "transfer_s", "hidden_s", "copy_s", "exposed_s", "calls"} <= set(dp)
+    assert dp["hidden_s"] + dp["exposed_s"] == pytest.approx(dp["latency_s"] + dp["transfer_s"] + dp["copy_s"], abs=1e-3)
     assert row["time_seconds"]["dp_comm_exposed"] == pytest.approx(dp["exposed_s"], abs=1e-3)
     assert sum(row["time_seconds"].values()) == pytest.approx(row["step_seconds"], rel=1e-3)
     call = dp["calls"]["param_all_gather[0]"]

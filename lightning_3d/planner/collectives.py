@@ -12,10 +12,11 @@ show each term:
   for a ring (``steps`` = N - 1 for all-gather / reduce-scatter, 2 (N - 1) for all-reduce; one
   step in ``ranks_per_node`` leaves the node), ``base + 2 ((ranks_per_node - 1) x intra_hop +
   log2(nodes) x net_hop)`` for a tree; per protocol (LL, LL128, Simple): LL's 8-byte flagged
-  stores are quick to start and slow to stream, Simple the opposite.
+  stores are quick to start and slow to stream, Simple the opposite. Today's NCCL charges every
+  ring step of a multi-node ring at least a network overhead (1 us on Intel hosts, 2 on AMD).
 * **bandwidth**: the bus bandwidth of the group (the planner's topology rule gives it per device)
-  at ``LINK_EFFICIENCY``; LL128 reaches 0.92 of it, LL a quarter (at most ``ll_max_gb_per_s``
-  across nodes), a tree 0.92 and moves twice the all-reduce's bytes.
+  at ``LINK_EFFICIENCY``; LL128 reaches 0.92 of it, LL a third to a half (capped per node count),
+  a tree 0.92 and moves twice the all-reduce's bytes.
 
 The tuner picks the fastest (algorithm, protocol) per call; so does :func:`collective_cost`, which
 is what makes the cost of a 1 MB gather at 1,536 ranks mostly latency and that of a 1 GB gather
@@ -39,7 +40,8 @@ PROTOCOLS = ("LL", "LL128", "Simple")
 
 @dataclass(frozen=True)
 class NcclVersion:
-    """One release's latency tables (microseconds), per protocol (LL, LL128, Simple)."""
+    """One release's latency tables (microseconds), per protocol (LL, LL128, Simple), and the rules
+    that cap a protocol's bandwidth."""
 
     name: str
     ring_base: tuple[float, float, float]
@@ -48,13 +50,19 @@ class NcclVersion:
     ring_net_hop: tuple[float, float, float]
     tree_nvlink_hop: tuple[float, float, float]
     tree_net_hop: tuple[float, float, float]
-    ll_max_gb_per_s: float  # LL's bus bandwidth cap across more than two nodes
+    ll_max_gb_per_s: tuple[float, float, float]  # LL's bus bandwidth cap on 1, 2, more nodes
+    ll_share: tuple[float, float]  # LL's share of the bus: one node (not all-reduce), otherwise
+    ll128_one_per_node: float  # LL128's share of the bus with one rank per node (else 0.92)
     ll_intra_factor: float  # LL's intra-node hop latency is multiplied by this across nodes (2.9: 1.8)
-    ring_allreduce_plateau: float  # Simple ring all-reduce across nodes: latency x this
+    ring_allreduce_plateau: float  # Simple ring all-reduce across nodes: latency x this ...
+    plateau_bytes_per_rank: float  # ... from this many bytes per rank
+    net_overhead_us: tuple[float, float]  # every ring step across nodes costs at least this (Intel, AMD host)
 
 
 # NVIDIA/nccl v2.9.9-1 (3fec2fa5), src/graph/tuning.cc: baseLat, hwLat[NVLINK], hwLat[NET],
-# llMaxBws (Ampere, AMD host, > 2 nodes: 19.0), "Plateau effect of ring" (x1.9). Same in 2.8.3.
+# llMaxBws (Ampere row: 87.7 / 22.5 / 19.0), LL at 1/3 of the bus on one node and 1/4 otherwise,
+# LL128 at 0.7 with one rank per node, the 1.8 LL intra-node factor across nodes, "Plateau effect
+# of ring" (x1.9 from nRanks/16 x 64 KiB). Same constants in 2.8.3.
 NCCL_2_9 = NcclVersion(
     name="2.9",
     ring_base=(3.6, 10.0, 8.4),
@@ -63,12 +71,18 @@ NCCL_2_9 = NcclVersion(
     ring_net_hop=(2.7, 4.0, 9.6),
     tree_nvlink_hop=(0.52, 1.25, 28.0),
     tree_net_hop=(5.0, 8.5, 28.0),
-    ll_max_gb_per_s=19.0,
+    ll_max_gb_per_s=(87.7, 22.5, 19.0),
+    ll_share=(1 / 3, 1 / 4),
+    ll128_one_per_node=0.7,
     ll_intra_factor=1.8,
     ring_allreduce_plateau=1.9,
+    plateau_bytes_per_rank=4096.0,
+    net_overhead_us=(0.0, 0.0),
 )
 # NVIDIA/nccl 2.30.7 (5067397c), src/graph/tuning.cc: baseLatencies, hwLatencies, llMaxBws
-# (Hopper, > 2 nodes: 35.0), plateau 1.4 for compute capability >= 8.0; LL's 1.8 factor is gone.
+# (Hopper row: 141 / 45 / 35), LL at half the bus, plateau 1.4 for compute capability >= 8.0 (from
+# 64 bytes per channel and rank: 2 KiB per rank at 32 channels), and the network overhead every
+# inter-node ring step pays at least (1 us on Intel hosts, 2 us on AMD, x3 for Simple).
 NCCL_2_30 = NcclVersion(
     name="2.30",
     ring_base=(6.6, 14.0, 8.4),
@@ -77,9 +91,13 @@ NCCL_2_30 = NcclVersion(
     ring_net_hop=(2.7, 4.0, 14.0),
     tree_nvlink_hop=(0.6, 1.25, 4.0),
     tree_net_hop=(5.0, 8.5, 14.0),
-    ll_max_gb_per_s=35.0,
+    ll_max_gb_per_s=(141.0, 45.0, 35.0),
+    ll_share=(0.5, 0.5),
+    ll128_one_per_node=0.92,
     ll_intra_factor=1.0,
     ring_allreduce_plateau=1.4,
+    plateau_bytes_per_rank=2048.0,
+    net_overhead_us=(1.0, 2.0),
 )
 NCCL_VERSIONS = {v.name: v for v in (NCCL_2_9, NCCL_2_30)}
 
@@ -92,6 +110,7 @@ class Group:
     ranks: int
     nodes: int
     gb_per_s: float
+    amd_host: bool = False  # NCCL charges AMD hosts more per network step
 
     @property
     def ranks_per_node(self) -> int:
@@ -118,30 +137,39 @@ class CollectiveCost:
 NO_COST = CollectiveCost(0.0, 0.0)
 
 
-def _ring_latency_us(kind: str, group: Group, nccl: NcclVersion, proto: int) -> float:
+def _intra_hop_us(table: tuple[float, float, float], group: Group, nccl: NcclVersion, proto: int) -> float:
+    hop = table[proto] * (nccl.ll_intra_factor if proto == 0 and group.nodes > 1 else 1.0)
+    if group.nodes > 1:  # "inter-node rings still have to launch nsteps x net overhead"
+        hop = max(hop, nccl.net_overhead_us[group.amd_host] * (3.0 if proto == 2 else 1.0))
+    return hop
+
+
+def _ring_latency_us(kind: str, nbytes: float, group: Group, nccl: NcclVersion, proto: int) -> float:
     n, nodes = group.ranks, group.nodes
     steps = (2 if kind == "all_reduce" else 1) * (n - 1)
     inter = (2 if kind == "all_reduce" else 1) * (nodes - 1)
-    intra_hop = nccl.ring_nvlink_hop[proto] * (nccl.ll_intra_factor if proto == 0 and nodes > 1 else 1.0)
+    intra_hop = _intra_hop_us(nccl.ring_nvlink_hop, group, nccl, proto)
     latency = nccl.ring_base[proto] + (steps - inter) * intra_hop + inter * nccl.ring_net_hop[proto]
-    if kind == "all_reduce" and proto == 2 and nodes > 1:
+    if kind == "all_reduce" and proto == 2 and nodes > 1 and nbytes >= nccl.plateau_bytes_per_rank * n:
         latency *= nccl.ring_allreduce_plateau
     return latency
 
 
 def _tree_latency_us(group: Group, nccl: NcclVersion, proto: int) -> float:
-    hops = (group.ranks_per_node - 1) * nccl.tree_nvlink_hop[proto]
-    hops += math.log2(group.nodes) * nccl.tree_net_hop[proto] if group.nodes > 1 else 0.0
+    hops = (group.ranks_per_node - 1) * nccl.tree_nvlink_hop[proto] * (nccl.ll_intra_factor if proto == 0 else 1.0)
+    hops += math.floor(math.log2(group.nodes)) * nccl.tree_net_hop[proto]  # NCCL's log2i
     return nccl.tree_base[proto] + 2.0 * hops
 
 
-def _protocol_bandwidth(bus: float, proto: int, nodes: int, nccl: NcclVersion) -> float:
+def _protocol_bandwidth(kind: str, bus: float, proto: int, group: Group, nccl: NcclVersion) -> float:
     """Bytes per second a protocol streams at, given the group's achievable bus bandwidth."""
     if proto == 2:
         return bus
     if proto == 1:
-        return bus * 0.92
-    return min(bus / 4.0, nccl.ll_max_gb_per_s * 1e9) if nodes > 2 else bus / 3.0
+        return bus * (nccl.ll128_one_per_node if group.nodes > 1 and group.ranks_per_node == 1 else 0.92)
+    share = nccl.ll_share[0] if group.nodes == 1 and kind != "all_reduce" else nccl.ll_share[1]
+    cap = nccl.ll_max_gb_per_s[min(group.nodes, 3) - 1] * 1e9
+    return min(bus * share, cap)
 
 
 def collective_cost(kind: str, nbytes: float, group: Group, nccl: NcclVersion = NCCL_2_30) -> CollectiveCost:
@@ -156,8 +184,8 @@ def collective_cost(kind: str, nbytes: float, group: Group, nccl: NcclVersion = 
     wire = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes  # what each rank sends
     best = None
     for proto, name in enumerate(PROTOCOLS):
-        bandwidth = _protocol_bandwidth(bus, proto, group.nodes, nccl)
-        options = [("ring", _ring_latency_us(kind, group, nccl, proto), wire / bandwidth)]
+        bandwidth = _protocol_bandwidth(kind, bus, proto, group, nccl)
+        options = [("ring", _ring_latency_us(kind, nbytes, group, nccl, proto), wire / bandwidth)]
         if kind == "all_reduce" and group.nodes > 1:  # a tree moves each byte up and down once
             options.append(("tree", _tree_latency_us(group, nccl, proto), 2.0 * nbytes / (bandwidth * 0.92)))
         for algorithm, latency_us, transfer in options:

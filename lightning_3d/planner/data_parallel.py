@@ -37,6 +37,7 @@ class DataParallelTime:
     latency: float = 0.0  # summed over the collectives, before overlap
     transfer: float = 0.0
     collectives: int = 0
+    copy: float = 0.0  # exposed device-memory copies around the collectives (FSDP2's copy-out)
     detail: dict[str, Any] = field(default_factory=dict)
 
     def add(self, name: str, cost: CollectiveCost, count: float) -> CollectiveCost:
@@ -61,6 +62,7 @@ class DataParallelTime:
             "latency_s": round(self.latency, 4),
             "transfer_s": round(self.transfer, 4),
             "hidden_s": round(self.hidden, 4),
+            "copy_s": round(self.copy, 4),
             "exposed_s": round(self.exposed, 4),
             "calls": {
                 name: {k: (round(v, 6) if isinstance(v, float) else v) for k, v in entry.items()}
@@ -157,12 +159,13 @@ def sharded_params_comm(
         out.add(f"grad_reduce_scatter[{i}]" if per_parameter else "layer_reduce_scatter", cost, micro_batches * layers)
     edge_gather = collective_cost("all_gather", other_params * c, group, nccl)
     edge_reduce = collective_cost("reduce_scatter", other_params * grad_bytes, group, nccl)
-    out.add("embedding_head_all_gather", edge_gather, 2 * micro_batches)
+    edge_gathers = 2 if per_parameter else 1  # FSDP2 does not reshard the root (embedding, head) after forward
+    out.add("embedding_head_all_gather", edge_gather, edge_gathers * micro_batches)
     out.add("embedding_head_reduce_scatter", edge_reduce, micro_batches)
     total = out.latency + out.transfer
     g = [cost.seconds for cost in gather_costs]
     rs = sum(cost.seconds for cost in reduce_costs)
-    edges = micro_batches * (2 * edge_gather.seconds + edge_reduce.seconds)  # first of each pass: not hidden
+    edges = micro_batches * (edge_gathers * edge_gather.seconds + edge_reduce.seconds)  # first of each pass: not hidden
     if per_parameter:
         shares = [n / sum(gathered) for n in gathered]
         forward = _prefetch_exposed(g, [layer_linear_forward * share for share in shares])
@@ -171,9 +174,10 @@ def sharded_params_comm(
     else:
         forward = _prefetch_exposed(g, [layer_forward])
         backward = max(0.0, g[0] + rs - layer_backward)
+        exposed = micro_batches * ((layers - 1) * (forward + backward) + g[0] + g[0] + rs)  # each pass's first layer waits
         copy_out = 2.0 * gathered[0] * c / copy_bytes_per_second if copy_bytes_per_second > 0 else 0.0  # read + write
-        exposed = micro_batches * (layers * (forward + backward + 2 * copy_out) + g[0] + rs)
-        out.detail["copy_out"] = {"count": int(passes), "seconds_each": copy_out, "latency_s": 0.0, "transfer_s": 0.0}
-    out.exposed = min(total, exposed + edges)
-    out.hidden = total - out.exposed
+        out.copy = passes * copy_out
+    comm_exposed = min(total, exposed + edges)
+    out.hidden = total - comm_exposed
+    out.exposed = comm_exposed + out.copy
     return out

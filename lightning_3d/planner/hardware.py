@@ -55,6 +55,7 @@ class ClusterSpec:
     nvme_gb: float = 0.0  # per node, node-local (0: none)
     nvme_gb_per_s: float = 0.0  # per node
     pcie_gb_per_s: float = 0.0  # host <-> device, per device (0: the device is the host)
+    host_cpu: str = "intel"  # intel | amd: NCCL's per-step network overhead depends on it
 
     @property
     def world_size(self) -> int:
@@ -66,6 +67,8 @@ class ClusterSpec:
                 f"cluster {self.name!r}: devices_per_node={self.devices_per_node} and num_nodes={self.num_nodes} must be "
                 f">= 1 (the planner needs a concrete count; -1 'all visible' is only for running)."
             )
+        if self.host_cpu not in ("intel", "amd"):
+            raise ValueError(f"cluster {self.name!r}: host_cpu={self.host_cpu!r}; choose intel or amd.")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"cluster {self.name!r}: launcher={self.launcher!r}; choose one of {LAUNCHERS}.")
         if self.intra_node_gb_per_s <= 0:

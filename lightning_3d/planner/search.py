@@ -294,6 +294,14 @@ def stage_layers(n_layer: int, pp: int, v: int, head_weight: float) -> tuple[lis
     return sizes, points
 
 
+@functools.lru_cache(maxsize=None)
+def _nodes_spanned(stride: int, size: int, devices_per_node: int) -> int:
+    """Nodes holding ranks 0, stride, 2 stride, ... (size of them)."""
+    if stride >= devices_per_node and stride % devices_per_node == 0:
+        return size
+    return len({i * stride // devices_per_node for i in range(size)})
+
+
 def _group_spans_nodes(stride: int, size: int, devices_per_node: int) -> bool:
     """Ranks ``stride`` apart, ``size`` of them: do they leave one node?"""
     return size > 1 and stride * size > devices_per_node
@@ -326,12 +334,11 @@ class Planner:
         """The ``size`` ranks ``stride`` apart as :mod:`collectives` sees them. ``own_adapter``: a
         stack whose gathers reach only the device's own network share (``zero3_own_adapter``)."""
         cluster = self.problem.cluster
-        per_node = max(1, min(size, cluster.devices_per_node // stride)) if stride < cluster.devices_per_node else 1
-        nodes = max(1, -(-size // per_node))
+        nodes = _nodes_spanned(stride, size, cluster.devices_per_node)
         bandwidth = self._bandwidth(stride, size)
         if own_adapter and nodes > 1:
             bandwidth = min(bandwidth, self._per_device_network())
-        return Group(size, nodes, bandwidth)
+        return Group(size, nodes, bandwidth, amd_host=cluster.host_cpu == "amd")
 
     @property
     def nccl(self):  # type: ignore[no-untyped-def]
@@ -381,8 +388,9 @@ class Planner:
                     states["params"] = states["grads"] = 0.0
             activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head)
             buffers = 0.0
-            if layout.zero_stage >= 1:  # two in-flight reduce buckets (bucket_size_mb=25), at most the grads
-                buffers += 2 * min(25 * 2**20, psi * p.software.grad_reduce_bytes)
+            if layout.zero_stage >= 1:  # two in-flight reduce buckets of the stack's size, at most the grads
+                bucket = p.software.grad_bucket_mb * 2**20 or psi * p.software.grad_reduce_bytes
+                buffers += 2 * min(bucket, psi * p.software.grad_reduce_bytes)
             if layout.zero_stage == 3:  # the gathered unit + the prefetched one: a layer, or a tensor
                 unit = max(model.layer_tensor_sizes(t)) if p.software.zero3_per_parameter else model.layer_sharded_params / t
                 buffers += 2 * c * unit
@@ -429,10 +437,15 @@ class Planner:
         if pp > 1:
             split = layout.sequence_parallel or p.software.p2p_scatter_gather
             nbytes = c * mb * model.seq_len * model.hidden / (t if split else 1)
-            p2p = 0.0 if p.software.p2p_overlap else 2 * p2p_seconds(nbytes, self._bandwidth(t * d, 2))
+            hidden = p.software.p2p_overlap and v > 1  # Megatron-Core overlaps p2p for the interleaved schedule
+            p2p = 0.0 if hidden else 2 * p2p_seconds(nbytes, self._bandwidth(t * d, 2))
         per_micro_batch = stage_seconds + v * p2p
-        bubble_factor = (pp - 1) / v
-        pipeline = (m + bubble_factor) * per_micro_batch
+        if v == 1:
+            bubble = (pp - 1) * per_micro_batch
+        else:  # the warm-up and drain run piece by piece: the largest piece sets the pace
+            largest_piece = -(-model.n_layer // (pp * v))
+            bubble = (pp - 1) * (largest_piece * cost.total + p2p)
+        pipeline = m * per_micro_batch + bubble
 
         dp_time = self._data_parallel_time(layout, layers, psi_max, cost)
         exposed_dp = dp_time.exposed
@@ -448,7 +461,7 @@ class Planner:
         time = {
             "compute": m * stage_seconds - m * max(layers) * cost.tp_comm,
             "tp_comm": m * max(layers) * cost.tp_comm,
-            "pp_bubble": bubble_factor * per_micro_batch,
+            "pp_bubble": bubble,
             "pp_p2p": m * v * p2p,
             "dp_comm_exposed": exposed_dp,
             "optimizer": opt,
@@ -499,7 +512,7 @@ class Planner:
         return replicated_params_comm(
             layout.zero_stage, psi, self.c, sw.grad_reduce_bytes, sw.grad_bucket_mb * 2**20, group, self.nccl,
             backward_window=max(layers) * cost.backward if overlaps else 0.0,
-            forward_window=m * max(layers) * cost.forward if sw.overlap_param_gather else 0.0,
+            forward_window=max(layers) * cost.forward if sw.overlap_param_gather else 0.0,  # the first micro-batch waits
         )
 
     # -- the search space ---------------------------------------------------------------------
