@@ -37,6 +37,25 @@ def test_ring_latency_is_nccls_tuner_at_1536_ranks() -> None:
     assert big.transfer == pytest.approx(40e9 * 1535 / 1536 / (DGX_A100 * 1e9 * LINK_EFFICIENCY), rel=1e-9)
 
 
+def test_todays_nccl_charges_every_network_ring_step_its_host_overhead() -> None:
+    """NCCL 2.30: intraLat = max(intraLat, netOverhead x 3 for Simple), 2 us on AMD hosts, 1 on
+    Intel: Simple all-gather over 192 nodes = 8.4 + 1344 x 6 + 191 x 14 = 10,746 us on AMD, with
+    Intel's 3 us below the NVLink hop's 3.4: 7,252 us."""
+    amd = collective_cost("all_gather", 400e9, Group(1536, 192, DGX_A100, amd_host=True), NCCL_2_30)
+    intel = collective_cost("all_gather", 400e9, Group(1536, 192, DGX_A100), NCCL_2_30)
+    assert amd.protocol == intel.protocol == "Simple"
+    assert (amd.latency, intel.latency) == (pytest.approx(10746.4e-6, rel=1e-4), pytest.approx(7252.0e-6, rel=1e-4))
+
+
+def test_ll_bandwidth_follows_nccls_caps() -> None:
+    """LL streams a third (one node) or a quarter of the bus in 2.9, capped at 22.5 GB/s on two
+    Ampere nodes: a 64 MB all-gather across two nodes is never LL."""
+    one_node = collective_cost("all_gather", 64e3, Group(8, 1, 300.0), NCCL_2_9)
+    assert one_node.protocol == "LL"
+    two_nodes = collective_cost("all_gather", 64e6, Group(16, 2, DGX_A100), NCCL_2_9)
+    assert two_nodes.protocol != "LL"
+
+
 def test_ring_latency_grows_with_ranks_and_a_tree_takes_small_all_reduces() -> None:
     small = [collective_cost("all_gather", 1e6, Group(8 * n, n, DGX_A100), NCCL_2_30).seconds for n in (2, 16, 128, 1024)]
     assert small == sorted(small) and small[-1] > 100 * small[0]  # linear in ranks: rings only
