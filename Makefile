@@ -21,7 +21,7 @@ train: $(STAMP)
 	$(PY) recipes/train.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
 # Tests marked slow (more tiny recipes end to end): run before a release; `make test` leaves them out.
 test-slow: $(STAMP)
