@@ -1,7 +1,7 @@
 """Context-parallel attention kernels against full single-process causal attention.
 
-One world of 4 ranks checks ring and all-to-all attention at cp=4 (the world) and cp=2 (two
-subgroups {0,1}, {2,3}), GQA (8 q heads, 2 kv heads) and MHA: the forward output and the
+One world of 4 ranks checks ring and all-to-all attention at cp=4 (the world), cp=2 (two
+subgroups {0,1}, {2,3}) and cp=1 (no communication), GQA (8 q heads, 2 kv heads) and MHA: the forward output and the
 gradients of q, k, v, each sharded like the inputs, within 1e-5 relative in fp32. The layout
 helpers are checked in this process.
 """
@@ -32,7 +32,7 @@ ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+    return float((a - b).detach().abs().max() / b.detach().abs().max())
 
 
 def _inputs(kv_heads: int) -> tuple[torch.Tensor, ...]:
@@ -72,7 +72,8 @@ def _error_message(fn: Callable[[], Any]) -> str:
 def world() -> dict[str, Any]:
     torch.manual_seed(0)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
-    groups = {4: dist.group.WORLD, 2: pairs[dist.get_rank() // 2]}
+    singles = [dist.new_group([r]) for r in range(4)]
+    groups = {4: dist.group.WORLD, 2: pairs[dist.get_rank() // 2], 1: singles[dist.get_rank()]}
     checks: dict[str, Callable[[], Any]] = {}
     for cp, group in groups.items():
         for attention in ATTENTION:
@@ -85,7 +86,7 @@ def world() -> dict[str, Any]:
     return run_checks(checks)
 
 
-CASES = [f"{a}_cp{cp}_kv{h}" for cp in (4, 2) for a in ATTENTION for h in (2, HEADS)]
+CASES = [f"{a}_cp{cp}_kv{h}" for cp in (4, 2, 1) for a in ATTENTION for h in (2, HEADS)]
 
 
 @pytest.fixture(scope="module")

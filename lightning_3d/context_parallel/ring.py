@@ -219,7 +219,7 @@ def _ring_backward(
     # the dK/dV accumulator travelling with the block in hand; the one arriving for the next block
     dkv_in: Optional[Tensor] = None
     dkv_works: Optional[list[Any]] = None
-    dkv_out: Optional[Tensor] = None
+    dkv_out: Optional[Tensor] = None  # kept alive until its send completed
     for step in range(ring.size):
         kv_works = None
         if step + 1 < ring.size:
@@ -239,8 +239,11 @@ def _ring_backward(
         _wait(dkv_works)  # the accumulator of this block, from the previous rank (none at step 0)
         if dkv_in is not None:
             local.add_(dkv_in)
-        dkv_out, dkv_in = local, torch.empty_like(local)
-        dkv_works = ring.shift(dkv_out, dkv_in)  # to the next rank: it holds this block at the next step
+        if ring.size == 1:
+            dkv_in = local  # no ring: the block is our own
+        else:
+            dkv_out, dkv_in = local, torch.empty_like(local)
+            dkv_works = ring.shift(dkv_out, dkv_in)  # to the next rank: it holds this block at the next step
         _wait(kv_works)
         if kv_works is not None:
             kv = kv_spare

@@ -102,6 +102,8 @@ def all_to_all_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Opt
     if q.shape[2] % 2:
         raise ValueError(f"local sequence length {q.shape[2]} is odd: the load-balanced layout holds two equal chunks per cp rank.")
     repeat = kv_replication(q.shape[1], k.shape[1], cp)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     qh, kh, vh = (_SequenceToHeads.apply(x, group) for x in (q, k, v))
