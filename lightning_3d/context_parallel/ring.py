@@ -278,14 +278,19 @@ class _RingAttention(torch.autograd.Function):
 def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Raise a ValueError naming the shapes unless q/k/v are (B, heads, T_local, head_dim) with GQA heads."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"expected q, k, v of shape (B, heads, T_local, head_dim), k and v alike; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+        raise ValueError(
+            f"expected q, k, v of shape (B, heads, T_local, head_dim), k and v alike; "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+        )
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, local length or head_dim.")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]} (grouped-query attention).")
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None, *, kernels: Optional[Kernels] = None) -> Tensor:
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None, *, kernels: Optional[Kernels] = None
+) -> Tensor:
     """Causal attention over the full sequence, each cp rank holding its load-balanced local q/k/v.
 
     ``q``: (B, heads, T_local, head_dim); ``k``, ``v``: (B, kv_heads, T_local, head_dim) with
@@ -296,6 +301,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[
     """
     check_shapes(q, k, v)
     if q.shape[2] % 2:
-        raise ValueError(f"local sequence length {q.shape[2]} is odd: the load-balanced layout holds two equal chunks per cp rank (shard with lightning_3d.context_parallel.shard_sequence).")
+        raise ValueError(
+            f"local sequence length {q.shape[2]} is odd: the load-balanced layout holds two equal chunks per "
+            f"cp rank (shard with lightning_3d.context_parallel.shard_sequence)."
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, _Ring.of(group), scale, kernels or kernels_for(q.device))
