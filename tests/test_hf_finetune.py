@@ -24,7 +24,7 @@ from lightning_3d import ThreeDParallelStrategy, from_pretrained
 from lightning_3d.checkpoint.hf_export import export_hf
 from lightning_3d.testing import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks
-from tests.test_launchers import BIN, ROOT, _run
+from tests.test_launchers import ROOT, _run
 
 FAMILIES = ("llama", "gpt2", "qwen2")
 STEPS, BATCH, SEQ, VOCAB, LR = 5, 8, 16, 128, 1e-2
@@ -247,9 +247,12 @@ def test_dp2_tp2_pp2_fine_tunes_like_one_process(eight, references, kind):
     _check(eight, references[kind], f"{kind}/dp2tp2pp2")
 
 
-def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path) -> None:
+def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``model.init_from`` in a recipe at tp2 (the byte corpus needs a 256-token vocabulary), then
-    ``lightning-3d export`` of the run's checkpoint: config, weights and init_from's tokenizer."""
+    ``lightning-3d export`` of the run's checkpoint (the command's entry, in this process):
+    config, weights and init_from's tokenizer."""
+    from lightning_3d.cli import main as cli_main
+
     import transformers
 
     source = make_checkpoint("llama", tmp_path, vocab=256)
@@ -267,7 +270,9 @@ def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path)
     assert summary["layout"] == {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0} and summary["steps"] == 3
     assert np.isfinite(summary["train_loss"]) and summary["train_loss"] < 6.0  # ln(256) = 5.55 for a fresh model
     out = tmp_path / "exported"
-    report = json.loads(_run([str(BIN / "lightning-3d"), "export", summary["checkpoint"], str(out)], tmp_path).stdout)
+    capsys.readouterr()
+    assert cli_main(["export", summary["checkpoint"], str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["model_type"] == "llama" and report["config_from"].startswith("init_from=")
     assert "tokenizer_config.json" in report["tokenizer_files"]
     before = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).state_dict()
