@@ -61,6 +61,26 @@ def compare(attention: str, kv_heads: int, group: Any) -> dict[str, float]:
     return errors
 
 
+def autocast_errors(group: Any) -> dict[str, float]:
+    """Ring attention under bf16 autocast (bf16-mixed) against fp32 full attention, next to what
+    SDPA itself reaches under the same autocast: the merge must stay fp32, not drift to bf16."""
+    q, k, v, dout = _inputs(2)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        local = [shard_sequence(t, 2, cp_rank, cp) for t in (q, k, v)]
+        ring = ring_attention(*local, group=None if cp == dist.get_world_size() else group)
+        math_kernel = ring_attention(*local, group=group, kernels=MATH)  # CUDA's kernel today
+    expected = shard_sequence(full, 2, cp_rank, cp)
+    return {
+        "dtype": str(ring.dtype),
+        "ring": _rel(ring.float(), expected),
+        "ring_math": _rel(math_kernel.float(), expected),
+        "sdpa": _rel(sdpa.float(), full),
+    }
+
+
 def _error_message(fn: Callable[[], Any]) -> str:
     try:
         fn()
@@ -81,6 +101,7 @@ def world() -> dict[str, Any]:
                 checks[f"{attention}_cp{cp}_kv{kv_heads}"] = lambda a=attention, h=kv_heads, g=group: compare(a, h, g)
     bad = torch.randn(B, 6, T // 4, D)
     checks["a2a_heads_error"] = lambda: _error_message(lambda: all_to_all_attention(bad, bad, bad, dist.group.WORLD))
+    checks["ring_autocast"] = lambda: autocast_errors(dist.group.WORLD)
     odd = torch.randn(B, HEADS, 3, D)
     checks["ring_odd_error"] = lambda: _error_message(lambda: ring_attention(odd, odd, odd, dist.group.WORLD))
     return run_checks(checks)
@@ -100,6 +121,13 @@ def test_matches_full_attention(cp_world, case):
         errors = result_of(results, case)
         assert set(errors) == {"out", "q_grad", "k_grad", "v_grad"}
         assert all(err <= TOL for err in errors.values()), f"rank {rank}: {errors}"
+
+
+def test_ring_keeps_fp32_statistics_under_autocast(cp_world):
+    for results in cp_world:
+        errors = result_of(results, "ring_autocast")
+        assert errors["dtype"] == "torch.bfloat16"
+        assert max(errors["ring"], errors["ring_math"]) <= 2.0 * errors["sdpa"], errors
 
 
 def test_clear_errors(cp_world):

@@ -160,6 +160,7 @@ class _Ring:
 
     @staticmethod
     def of(group: Any) -> "_Ring":
+        group = dist.group.WORLD if group is None else group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         return _Ring(
             group, rank, size, dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
@@ -260,10 +261,17 @@ def _add_halves(target: Tensor, grad: Tensor, which: list[int]) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Autocast is off inside: the merge statistics must stay fp32 (under bf16-mixed an autocast
+    matmul would make the scores, out and lse bf16 and the backward's softmax rows would no longer
+    sum to 1). The output comes back in the autocast dtype when autocast is on, as SDPA's would."""
+
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, scale: float, kernels: Kernels) -> Tensor:
-        out, lse = _ring_forward(q, k, v, ring, scale, kernels)
-        out = out.to(q.dtype)
+        device = q.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+        with torch.autocast(device, enabled=False):
+            out, lse = _ring_forward(q, k, v, ring, scale, kernels)
+        out = out.to(dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.kernels = ring, scale, kernels
         return out
@@ -271,7 +279,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.scale, ctx.kernels)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.scale, ctx.kernels)
         return dq, dk, dv, None, None, None
 
 
