@@ -302,11 +302,6 @@ def _nodes_spanned(stride: int, size: int, devices_per_node: int) -> int:
     return len({i * stride // devices_per_node for i in range(size)})
 
 
-def _group_spans_nodes(stride: int, size: int, devices_per_node: int) -> bool:
-    """Ranks ``stride`` apart, ``size`` of them: do they leave one node?"""
-    return size > 1 and stride * size > devices_per_node
-
-
 class Planner:
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
@@ -325,8 +320,9 @@ class Planner:
         with ``k`` members on a node uses ``k`` of its adapters: ``k`` x the per-device network share
         (the other groups on the node use the rest)."""
         cluster = self.problem.cluster
-        if _group_spans_nodes(stride, size, cluster.devices_per_node):
-            members_per_node = max(1, min(size, cluster.devices_per_node // stride))
+        nodes = _nodes_spanned(stride, size, cluster.devices_per_node)
+        if nodes > 1:
+            members_per_node = -(-size // nodes)
             return min(cluster.intra_node_gb_per_s, members_per_node * self._per_device_network())
         return cluster.intra_node_gb_per_s
 
