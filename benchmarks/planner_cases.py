@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_3d.planner import Planner, best_completion, rank
-from lightning_3d.planner.published import A100_3D, H100, PublishedRun, model_shape, problem, zero3_table_2
+from lightning_3d.planner.published import A100_3D, H100, PublishedRun, problem, zero3_table_2
 from lightning_3d.recipe import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def _row(run: PublishedRun, group: str) -> dict[str, Any]:
     planner = Planner(problem(run))
     estimate = best_completion(planner, run.layout)
     ranked = [e.layout.degrees for e in rank(planner.search())] if group == "a100_3d" else []
-    reported = run.reported(model_shape(run))
+    reported = run.reported(planner.problem.model)
     return {
         "group": group,
         "model": run.name,

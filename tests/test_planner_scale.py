@@ -5,6 +5,7 @@ run at scale (Narayanan et al. 2021, Table 2), the H100 calibration rows, and th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -17,8 +18,8 @@ from lightning_3d.planner.collectives import (
     bus_bandwidth,
     collective_cost,
 )
-from lightning_3d.planner.published import H100, ZERO3_TABLE_2, model_shape, problem, zero3_table_2
-from lightning_3d.planner.search import SOFTWARE, ZERO3_VALIDATED_NODES, Layout, Problem
+from lightning_3d.planner.published import H100, ZERO3_TABLE_2, problem, zero3_table_2
+from lightning_3d.planner.search import SOFTWARE, ZERO3_VALIDATED_NODES, Layout
 
 DGX_A100 = 200.0  # GB/s per device for a ring with all 8 GPUs of each node (8 x HDR adapters)
 
@@ -85,9 +86,10 @@ def test_bad_collective_name_is_refused() -> None:
 @pytest.fixture(scope="module")
 def table_2() -> list[tuple]:
     out = []
-    for run, (gpus, _, zero3, ptdp) in zip(zero3_table_2("gpt3_175b"), ZERO3_TABLE_2):
-        estimate = best_completion(Planner(problem(run)), run.layout)
-        megatron = Planner(Problem(model_shape(run), problem(run).cluster, 1536, SOFTWARE["megatron_2021"], precision="16-mixed"))
+    for run, (gpus, _, _, zero3, ptdp) in zip(zero3_table_2("gpt3_175b"), ZERO3_TABLE_2["gpt3_175b"]):
+        zero3_problem = problem(run)
+        estimate = best_completion(Planner(zero3_problem), run.layout)
+        megatron = Planner(replace(zero3_problem, software=SOFTWARE["megatron_2021"]))
         best_3d = rank(megatron.search())[0]
         out.append((gpus, estimate, zero3, best_3d, ptdp))
     return out
@@ -126,11 +128,12 @@ def test_zero3_gathers_per_parameter_and_hide_behind_the_previous_module(table_2
 
 def test_a_prefetching_stack_beyond_the_validated_scale_carries_a_caveat() -> None:
     run = zero3_table_2("gpt3_175b")[2]
-    ours = Planner(Problem(model_shape(run), problem(run).cluster, 1536, SOFTWARE["lightning_3d"], precision="16-mixed"))
+    at_scale = replace(problem(run), software=SOFTWARE["lightning_3d"])
+    ours = Planner(at_scale)
     estimate = best_completion(ours, run.layout)
     assert estimate.comm["dp"]["calls"]["layer_all_gather"]["count"] == 2 * 96
     assert estimate.caveats and "1/8" in estimate.caveats[0]
-    small = Planner(Problem(model_shape(run), with_nodes(problem(run).cluster, ZERO3_VALIDATED_NODES), 64, SOFTWARE["lightning_3d"]))
+    small = Planner(replace(at_scale, cluster=with_nodes(at_scale.cluster, ZERO3_VALIDATED_NODES), global_batch=64))
     assert not best_completion(small, dict(dp=8 * ZERO3_VALIDATED_NODES, tp=1, pp=1, zero_stage=3)).caveats
 
 
@@ -138,9 +141,10 @@ def test_a_prefetching_stack_beyond_the_validated_scale_carries_a_caveat() -> No
 @pytest.mark.parametrize("run", [pytest.param(r, id=r.name) for r in H100])
 def test_h100_rows_within_15_percent(run) -> None:  # type: ignore[no-untyped-def]
     """NVIDIA's DGX H100 BF16 benchmark runs (NeMo 24.11/24.12), with the one H100 constant."""
-    estimate = best_completion(Planner(problem(run)), run.layout)
-    assert problem(run).cluster.device.model == "H100-SXM5-80GB"
-    assert estimate.tflops_per_device == pytest.approx(run.reported(model_shape(run)), rel=0.15)
+    planner = Planner(problem(run))
+    estimate = best_completion(planner, run.layout)
+    assert planner.problem.cluster.device.model == "H100-SXM5-80GB"
+    assert estimate.tflops_per_device == pytest.approx(run.reported(planner.problem.model), rel=0.15)
 
 
 # -- the breakdown ----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ count (:meth:`ModelShape.step_flops`), so that prediction and report use one for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_3d.planner.model_shape import ModelShape
@@ -41,7 +41,6 @@ class PublishedRun:
     reported_step_seconds: Optional[float] = None
     precision: str = "bf16-mixed"
     notes: str = ""
-    tags: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def gpus(self) -> int:
@@ -68,7 +67,7 @@ def _table_1() -> list[PublishedRun]:
     return [
         PublishedRun(
             f"megatron_gpt_{n}", f"megatron_gpt_{n}", "selene_mtnlg", g // 8, "megatron_2021", b,
-            dict(dp=g // (t * p), tp=t, pp=p), "Narayanan et al. 2021, Table 1", reported_tflops=tf, tags=("a100",),
+            dict(dp=g // (t * p), tp=t, pp=p), "Narayanan et al. 2021, Table 1", reported_tflops=tf,
         )
         for n, t, p, g, b, tf in rows
     ]
@@ -78,34 +77,31 @@ A100_3D: list[PublishedRun] = _table_1() + [
     # BLOOM paper (BigScience 2022), section 3.4 / model card: 384 A100 80GB, tp4 pp12 dp8, ZeRO-1,
     # micro-batch 2, global batch 2048; "about 150 TFLOP/s per GPU" (156 at the best of the run).
     PublishedRun("bloom_176b", "bloom_176b", "jean_zay_bloom", None, "megatron_deepspeed_2022", 2048,
-                 dict(dp=8, tp=4, pp=12, micro_batch_size=2, zero_stage=1), "BigScience 2022", reported_tflops=150,
-                 tags=("a100",)),
+                 dict(dp=8, tp=4, pp=12, micro_batch_size=2, zero_stage=1), "BigScience 2022", reported_tflops=150),
     # Smith et al. 2022 (MT-NLG), section 2.3: 280 DGX A100 nodes, tp8 pp35 dp8, global batch 1920,
     # micro-batch 1: 126 TFLOP/s per GPU (60.1 s per iteration).
     PublishedRun("mt_nlg_530b", "mt_nlg_530b", "selene_mtnlg", None, "megatron_deepspeed_2022", 1920,
-                 dict(dp=8, tp=8, pp=35, micro_batch_size=1), "Smith et al. 2022", reported_tflops=126, tags=("a100",)),
+                 dict(dp=8, tp=8, pp=35, micro_batch_size=1), "Smith et al. 2022", reported_tflops=126),
 ]
 
 # Narayanan et al. 2021, Table 2 and section 5.2: GPT-3 175B (global batch 1536) with ZeRO-3 and no
-# model parallelism (DeepSpeed, integrated into Megatron-LM), against PTD-P (t8 x p12) on the same
-# GPUs. (GPUs, ZeRO-3 micro-batch, ZeRO-3 TFLOP/s, PTD-P TFLOP/s); the 530B rows are
-# ZERO3_TABLE_2_530B.
-ZERO3_TABLE_2 = [(384, 4, 144, 153), (768, 2, 88, 149), (1536, 1, 44, 141)]
-ZERO3_TABLE_2_530B = [(640, 2560, 4, 138, 171), (1120, 2240, 2, 98, 167), (2240, 2240, 1, 48, 159)]
+# model parallelism (DeepSpeed, integrated into Megatron-LM), against PTD-P (t8 x p12 for 175B,
+# t8 x p35 for 530B) on the same GPUs: (GPUs, global batch, ZeRO-3 micro-batch, ZeRO-3 TFLOP/s,
+# PTD-P TFLOP/s).
+ZERO3_TABLE_2 = {
+    "gpt3_175b": [(384, 1536, 4, 144, 153), (768, 1536, 2, 88, 149), (1536, 1536, 1, 44, 141)],
+    "megatron_gpt_529p6b": [(640, 2560, 4, 138, 171), (1120, 2240, 2, 98, 167), (2240, 2240, 1, 48, 159)],
+}
 
 
 def zero3_table_2(model: str = "gpt3_175b") -> list[PublishedRun]:
-    rows = (
-        [(g, 1536, mb, z) for g, mb, z, _ in ZERO3_TABLE_2] if model == "gpt3_175b"
-        else [(g, b, mb, z) for g, b, mb, z, _ in ZERO3_TABLE_2_530B]
-    )
     return [
         PublishedRun(
             f"{model} ZeRO-3 {g} GPUs", model, "selene_mtnlg", g // 8, "deepspeed_zero3_2021", batch,
             dict(dp=g, tp=1, pp=1, micro_batch_size=mb, zero_stage=3, recompute="full"),
-            "Narayanan et al. 2021, Table 2", reported_tflops=z, precision="16-mixed", tags=("a100", "zero3"),
+            "Narayanan et al. 2021, Table 2", reported_tflops=z, precision="16-mixed",
         )
-        for g, batch, mb, z in rows
+        for g, batch, mb, z, _ in ZERO3_TABLE_2[model]
     ]
 
 
@@ -119,15 +115,15 @@ H100: list[PublishedRun] = [
     PublishedRun("gpt3_175b (NeMo 24.12)", "gpt3_175b", "h100_80g_1node", 16, "megatron_core_2024", 256,
                  dict(dp=4, tp=4, pp=8, micro_batch_size=1, schedule="interleaved_1f1b", virtual_stages=6,
                       zero_stage=1, sequence_parallel=True, recompute="none"),
-                 "dgxc-benchmarking nemo_megatron/README_175b.md", reported_step_seconds=8.309, tags=("h100",)),
+                 "dgxc-benchmarking nemo_megatron/README_175b.md", reported_step_seconds=8.309),
     PublishedRun("nemotron4_340b (NeMo 24.11)", NEMOTRON4_340B, "h100_80g_1node", 16, "megatron_core_2024", 32,
                  dict(dp=2, tp=8, pp=8, micro_batch_size=1, schedule="interleaved_1f1b", virtual_stages=12,
                       zero_stage=1, sequence_parallel=True, recompute="selective"),
-                 "dgxc-benchmarking nemotron/README_340b.md", reported_step_seconds=4.61, tags=("h100",),
+                 "dgxc-benchmarking nemotron/README_340b.md", reported_step_seconds=4.61,
                  notes="the 25.02 script runs bf16 with context parallelism 2 at the same step time"),
     PublishedRun("nemotron4_15b (NeMo 24.12)", NEMOTRON4_15B, "h100_80g_1node", 2, "megatron_core_2024", 64,
                  dict(dp=4, tp=4, pp=1, micro_batch_size=4, zero_stage=1, sequence_parallel=True, recompute="none"),
-                 "dgxc-benchmarking nemotron/README_15b.md", reported_step_seconds=2.812, tags=("h100",)),
+                 "dgxc-benchmarking nemotron/README_15b.md", reported_step_seconds=2.812),
 ]
 
 
