@@ -10,7 +10,7 @@ GQA: kv heads are sharded the same way, so ``kv_heads`` must be a multiple of cp
 (e.g. 2 kv heads at cp=4), each kv head is replicated (``repeat_interleave``) up to
 ``lcm(kv_heads, cp)`` heads first; autograd sums the replicas' gradients back.
 
-Both all-to-alls are custom autograd Functions whose backward is the reverse all-to-all. Buffers
+Both all-to-alls are one custom autograd Function whose backward is the reverse all-to-all. Buffers
 live on the input's device, contiguous, and are allocated before each collective (NCCL's rules).
 """
 
@@ -56,26 +56,17 @@ def heads_to_sequence(x: Tensor, group: Any) -> Tensor:
     return recv.movedim(0, 1).reshape(b, cp * h_local, t // cp, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return sequence_to_heads(x, group)
+class _Reshard(torch.autograd.Function):
+    """Sequence shards -> head shards (``to_heads``) or back; the backward is the other direction."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return heads_to_sequence(grad, ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return heads_to_sequence(x, group)
+    def forward(ctx: Any, x: Tensor, group: Any, to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (sequence_to_heads if to_heads else heads_to_sequence)(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return sequence_to_heads(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return (heads_to_sequence if ctx.to_heads else sequence_to_heads)(grad, ctx.group), None, None
 
 
 def kv_replication(heads: int, kv_heads: int, cp: int) -> int:
@@ -106,6 +97,6 @@ def all_to_all_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Opt
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    qh, kh, vh = (_SequenceToHeads.apply(x, group) for x in (q, k, v))
+    qh, kh, vh = (_Reshard.apply(x, group, True) for x in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
-    return _HeadsToSequence.apply(out, group)
+    return _Reshard.apply(out, group, False)
