@@ -55,6 +55,7 @@ the culprit once for the whole job, which torch's watchdog does not.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import sys
@@ -500,15 +501,22 @@ def _add_note(exception: BaseException, line: str) -> None:
 
 
 # -- ending the process ---------------------------------------------------------------------------------------
-_exiting = threading.Lock()
+_exiting: dict[str, int] = {}  # "thread": the one ending the process (claimed with an atomic setdefault)
+_exit_entries = itertools.count()  # entries into _exit_with by that thread (next() is atomic)
 _reported: dict[str, Any] = {}  # the exception report() judged, with its monitor and one-line verdict
 _hook: dict[str, Any] = {"previous": None}
 
 
 def _exit_with(message: str) -> None:
     """Print one line and end this process now: no traceback, no C++ teardown noise from gloo."""
-    if not _exiting.acquire(blocking=False):
+    me = threading.get_ident()
+    if _exiting.setdefault("thread", me) != me:
         threading.Event().wait()  # another thread is already ending the process
+    if next(_exit_entries):
+        # a signal handler re-entered this thread while it ends the process (the parent-death signal
+        # comes once per thread of the dying launcher): the interrupted frame finishes the exit;
+        # waiting here, as before, stopped it forever
+        return
     # os.write, not print: this may run in a signal handler that interrupted the main thread inside a
     # write to the same stream, where print/flush would raise ("reentrant call") and never reach _exit
     try:

@@ -12,6 +12,7 @@ Every rank appends {"attempt", "step", "loss"} lines to OUT/rank<r>.jsonl and, f
 look for leftover processes, writes its pid to OUT/pid<r>.
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ devices = int(sys.argv[4]) if len(sys.argv) > 4 else None
 launched_by_hand = "RANK" in os.environ
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 fault_rank = int(os.environ["FAULT_RANK"]) if "FAULT_RANK" in os.environ else None
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a failing test asks each live rank where it is
 
 
 def die() -> None:
