@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 from lightning_3d import rank_zero
 from lightning_3d.layout_rules import (
+    CONTEXT_PARALLEL_MODES,
     ModelLike,
     Refusal,
     batch_refusals,
@@ -77,10 +78,18 @@ class ParallelConfig:
     nvme_path: Optional[str] = None
     checkpoint_every_n_layers: int = 1
     timeout: Union[float, int, timedelta, None] = DEFAULT_TIMEOUT_S
+    context_parallel: int = 1
+    context_parallel_mode: str = "ring"
     dims: ParallelDims = field(init=False)
 
     def __post_init__(self) -> None:
-        self.dims = ParallelDims(dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel)
+        self.dims = ParallelDims(
+            dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel, cp=self.context_parallel
+        )
+        self.context_parallel_mode = _normalize_choice(
+            "context_parallel_mode", self.context_parallel_mode, CONTEXT_PARALLEL_MODES,
+            {"ulysses": "all_to_all", "a2a": "all_to_all", "p2p": "ring"},
+        )
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage={self.zero_stage!r} is invalid: choose 0, 1, 2 or 3.")
         if not isinstance(self.sequence_parallel, bool):
@@ -119,7 +128,7 @@ class ParallelConfig:
         """Resolve the degrees against the world; raise ``ValueError`` before any rank does work."""
         raise_refusals(
             world_refusals(
-                dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel,
+                dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel, cp=self.context_parallel,
                 world_size=world_size, processes_per_node=processes_per_node,
             )
         )
@@ -143,6 +152,8 @@ class ParallelConfig:
             tp=self.tensor_parallel,
             pp=self.pipeline_parallel,
             dp=self.data_parallel,
+            cp=self.context_parallel,
+            context_parallel_mode=self.context_parallel_mode,
             zero_stage=self.zero_stage,
             sequence_parallel=self.sequence_parallel,
             schedule=self.pipeline_schedule,
@@ -171,6 +182,8 @@ class ParallelConfig:
                 sequence_parallel=self.sequence_parallel,
                 model=dims,
                 tensor_parallel_plan=tensor_parallel_plan,
+                cp=self.context_parallel,
+                context_parallel_mode=self.context_parallel_mode,
             )
             where = f"model {name!r}: " if name else ""
             reasons += [replace(r, message=where + r.message) for r in found]

@@ -16,6 +16,7 @@ come in as :class:`ModelDims` (each model family's adapter describes its models:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
@@ -23,6 +24,7 @@ from typing import Any, Optional, Protocol, Union
 from lightning_3d.topology import ParallelDims
 
 INTERLEAVED = "interleaved_1f1b"
+CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -207,24 +209,58 @@ def sequence_parallel_refusals(tp: int, sequence_parallel: bool, model: Any) -> 
     )]
 
 
+def context_parallel_refusals(
+    cp: int, mode: str, tp: int, sequence_parallel: bool, model: Any
+) -> list[Refusal]:
+    """Context parallelism cuts each sequence into ``2 * cp`` chunks (load-balanced causal layout),
+    which sequence parallel then splits over tp; all-to-all mode shards each tensor-parallel rank's
+    heads over cp (key/value heads are replicated when cp does not divide them)."""
+    if cp <= 1:
+        return []
+    out = []
+    heads = int(getattr(model, "n_head", 0) or 0)
+    if mode == "all_to_all" and heads and (heads // max(tp, 1)) % cp:
+        local = heads // max(tp, 1)
+        out.append(Refusal(
+            "all_to_all_divides_heads",
+            f"context_parallel_mode='all_to_all' shards attention heads over context_parallel={cp}, but each "
+            f"tensor-parallel rank holds {local} heads ({_label(model, 'n_head')}={heads} / tensor_parallel={tp}); "
+            f"use context_parallel_mode='ring' (no constraint on heads) or a context_parallel that divides {local}.",
+        ))
+    seq = getattr(model, "seq_len", None)
+    if seq is not None:
+        unit = 2 * cp
+        if seq % unit or (sequence_parallel and tp > 1 and (seq // cp) % tp):
+            need = math.lcm(unit, cp * tp) if sequence_parallel and tp > 1 else unit
+            out.append(Refusal(
+                "context_parallel_divides_sequence",
+                f"context_parallel={cp} cuts each sequence into 2 x {cp} = {unit} equal chunks"
+                + (f" whose per-rank share sequence parallel splits over tensor_parallel={tp}" if sequence_parallel and tp > 1 else "")
+                + f", but the sequence length is {seq} ({_label(model, 'seq_len')}); use a length divisible by {need}, "
+                f"or a smaller context_parallel.",
+            ))
+    return out
+
+
 def model_refusals(
     *, tp: int, pp: int, virtual_stages: int = 1, sequence_parallel: bool = False, model: ModelLike,
-    tensor_parallel_plan: bool = True,
+    tensor_parallel_plan: bool = True, cp: int = 1, context_parallel_mode: str = "ring",
 ) -> list[Refusal]:
     """What the model's shape refuses. ``tensor_parallel_plan=False``: the user brings their own
     plan, so the built-in plans' divisibility does not apply."""
     out = tensor_parallel_refusals(tp, model) if tensor_parallel_plan else []
+    out += context_parallel_refusals(cp, context_parallel_mode, tp, sequence_parallel, model)
     return out + pipeline_refusals(pp, virtual_stages, model) + sequence_parallel_refusals(tp, sequence_parallel, model)
 
 
 # -- the world and the batch ------------------------------------------------------------------------------
 def world_refusals(
-    *, dp: Union[int, str, None], tp: int, pp: int, world_size: int, processes_per_node: Optional[int] = None
+    *, dp: Union[int, str, None], tp: int, pp: int, world_size: int, processes_per_node: Optional[int] = None, cp: int = 1
 ) -> list[Refusal]:
     """The degrees must multiply to the world (``dp="auto"``: divide it), and tensor-parallel groups
     must stay inside a node (``processes_per_node``; None skips that rule)."""
     try:
-        dims = ParallelDims(dp="auto" if dp is None else dp, tp=tp, pp=pp).resolve(world_size)
+        dims = ParallelDims(dp="auto" if dp is None else dp, tp=tp, pp=pp, cp=cp).resolve(world_size)
     except ValueError as err:
         return [Refusal("world_size", str(err))]
     if processes_per_node is None:
@@ -253,6 +289,8 @@ def layout_refusals(
     tp: int = 1,
     pp: int = 1,
     dp: Union[int, str, None] = None,
+    cp: int = 1,
+    context_parallel_mode: str = "ring",
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
@@ -276,10 +314,10 @@ def layout_refusals(
     if model is not None:
         out += model_refusals(
             tp=tp, pp=pp, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, model=model,
-            tensor_parallel_plan=tensor_parallel_plan,
+            tensor_parallel_plan=tensor_parallel_plan, cp=cp, context_parallel_mode=context_parallel_mode,
         )
     if world_size is not None:
-        out += world_refusals(dp=dp, tp=tp, pp=pp, world_size=world_size, processes_per_node=processes_per_node)
+        out += world_refusals(dp=dp, tp=tp, pp=pp, cp=cp, world_size=world_size, processes_per_node=processes_per_node)
     out += batch_refusals(pp=pp, micro_batches=micro_batches, per_replica_batch=per_replica_batch)
     return out
 

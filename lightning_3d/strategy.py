@@ -91,6 +91,10 @@ class ThreeDParallelStrategy(ParallelStrategy):
         data_parallel: replicas of the model; ``"auto"`` uses every rank that tp and pp leave.
         tensor_parallel: ranks that split each layer (Megatron style); stays within a node.
         pipeline_parallel: stages the layer sequence is cut into.
+        context_parallel: ranks that split each sequence (load-balanced causal chunks) for long contexts;
+            they hold the same weights, so gradients and ZeRO state span data x context parallel.
+        context_parallel_mode: ``"ring"`` (K/V blocks passed around the cp ring, overlapped with attention)
+            or ``"all_to_all"`` (DeepSpeed-Ulysses: heads sharded over cp for the attention).
         zero_stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
         sequence_parallel: shard layer norms/dropout activations along the sequence (needs tp > 1).
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
@@ -127,6 +131,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         data_parallel: Degree = "auto",
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        context_parallel: int = 1,
+        context_parallel_mode: str = "ring",
         zero_stage: int = 0,
         sequence_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
@@ -164,6 +170,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
             data_parallel=data_parallel,
             tensor_parallel=tensor_parallel,
             pipeline_parallel=pipeline_parallel,
+            context_parallel=context_parallel,
+            context_parallel_mode=context_parallel_mode,
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
             pipeline_schedule=pipeline_schedule,
@@ -243,7 +251,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Samples are split over data-parallel replicas only: tp and pp peers see the same batch.
+        # Samples are split over data-parallel replicas only: tp, pp and cp peers see the same batch
+        # (cp peers then keep their chunks of each sequence: lightning_3d/context_parallel/apply.py).
         dims = self.parallel_dims
         coords = dims.coordinates(self.global_rank)
         return {"num_replicas": int(dims.dp), "rank": coords.dp}
@@ -430,7 +439,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
             topology=self._topology,
             zero=self._zero,
             layout={} if d is None else {
-                "dp": int(d.dp), "tp": d.tp, "pp": d.pp, "zero_stage": self.config.zero_stage, "virtual_stages": self.config.virtual_stages,
+                "dp": int(d.dp), "tp": d.tp, "pp": d.pp, "cp": d.cp, "zero_stage": self.config.zero_stage,
+                "virtual_stages": self.config.virtual_stages,
             },
             tied=tied,
             rng_tracker=self._rng_tracker,

@@ -1,13 +1,20 @@
-"""Parallel degrees (dp, tp, pp), the rank layout they imply, and the process groups.
+"""Parallel degrees (dp, cp, tp, pp), the rank layout they imply, and the process groups.
 
-Rank order is ``(pp, dp, tp)`` with tp innermost: the ``tp`` ranks of one model replica
+Rank order is ``(pp, dp, cp, tp)`` with tp innermost: the ``tp`` ranks of one model replica
 slice are adjacent global ranks, so with ``tp <= GPUs per node`` they share a node and its
-fast links; pipeline stages are the outermost dimension, so their (rare, point-to-point)
-traffic is what crosses nodes. ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
+fast links; context-parallel peers (which exchange K/V every layer) come next, so ``cp x tp``
+ranks fill a node before dp does; pipeline stages are the outermost dimension, so their (rare,
+point-to-point) traffic is what crosses nodes.
+``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
+
+Context-parallel ranks hold the same weights and different tokens of the same sequences, so
+every group that reduces gradients or shards ZeRO state spans dp x cp: that is
+:attr:`Topology.dp_group` (the "weight replicas"); only the sampler splits samples over dp alone.
 
 :class:`ParallelDims` is pure arithmetic (no processes needed, so layouts of 1024 ranks are
 testable); :class:`Topology` binds it to a live ``torch.distributed`` world through a
-``DeviceMesh`` whose dims are named ``("pp", "dp", "tp")``.
+``DeviceMesh`` whose dims are named ``("pp", "dp", "cp", "tp")``, with ``dp`` and ``cp``
+flattened into one more dim, ``"dp_cp"``.
 """
 
 from __future__ import annotations
@@ -21,17 +28,19 @@ from typing import Literal, NamedTuple, Optional, Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS: tuple[str, str, str] = ("pp", "dp", "tp")
+MESH_DIMS: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
+REPLICA_DIM = "dp_cp"  # dp and cp flattened: every rank holding the same weights
 
 Degree = Union[int, Literal["auto"]]
 
 
 class Coordinates(NamedTuple):
-    """Where one global rank sits in the 3D layout."""
+    """Where one global rank sits in the layout (cp last, so 3D code may omit it)."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 def _check_degree(name: str, value: object, allow_auto: bool) -> None:
@@ -44,33 +53,39 @@ def _check_degree(name: str, value: object, allow_auto: bool) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The three parallel degrees. ``dp="auto"`` takes whatever ``tp * pp`` leaves of the world."""
+    """The parallel degrees. ``dp="auto"`` takes whatever ``tp * pp * cp`` leaves of the world."""
 
     dp: Degree = "auto"
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         _check_degree("data_parallel", self.dp, allow_auto=True)
         _check_degree("tensor_parallel", self.tp, allow_auto=False)
         _check_degree("pipeline_parallel", self.pp, allow_auto=False)
+        _check_degree("context_parallel", self.cp, allow_auto=False)
+
+    def _model_parallel_text(self) -> str:
+        cp = f" x context_parallel={self.cp}" if self.cp > 1 else ""
+        return f"tensor_parallel={self.tp} x pipeline_parallel={self.pp}{cp}"
 
     def resolve(self, world_size: int) -> "ParallelDims":
         """Return concrete degrees for ``world_size`` ranks, or raise ``ValueError`` naming the mismatch."""
         if world_size < 1:
             raise ValueError(f"world_size={world_size} is invalid: it must be at least 1.")
-        model_parallel = self.tp * self.pp
+        model_parallel = self.tp * self.pp * self.cp
         if self.dp == "auto":
             if world_size % model_parallel != 0:
                 raise ValueError(
-                    f"tensor_parallel={self.tp} x pipeline_parallel={self.pp} = {model_parallel} does not divide "
+                    f"{self._model_parallel_text()} = {model_parallel} does not divide "
                     f"the world size {world_size}; choose degrees whose product divides the number of processes "
                     f"(devices x num_nodes)."
                 )
-            return ParallelDims(dp=world_size // model_parallel, tp=self.tp, pp=self.pp)
+            return ParallelDims(dp=world_size // model_parallel, tp=self.tp, pp=self.pp, cp=self.cp)
         if self.dp * model_parallel != world_size:
             raise ValueError(
-                f"data_parallel={self.dp} x tensor_parallel={self.tp} x pipeline_parallel={self.pp} = "
+                f"data_parallel={self.dp} x {self._model_parallel_text()} = "
                 f"{self.dp * model_parallel}, but the world size is {world_size} (devices x num_nodes). "
                 f'Make the product equal the world size, or set data_parallel="auto".'
             )
@@ -79,27 +94,27 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         self._require_resolved()
-        return int(self.dp) * self.tp * self.pp
+        return int(self.dp) * self.cp * self.tp * self.pp
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def shape(self) -> tuple[int, int, int, int]:
         """Mesh shape in ``MESH_DIMS`` order."""
         self._require_resolved()
-        return (self.pp, int(self.dp), self.tp)
+        return (self.pp, int(self.dp), self.cp, self.tp)
 
     def coordinates(self, rank: int) -> Coordinates:
-        """The (pp, dp, tp) coordinates of a global rank."""
+        """The (pp, dp, tp, cp) coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside a world of {self.world_size} ranks.")
-        dp = int(self.dp)
-        return Coordinates(pp=rank // (dp * self.tp), dp=(rank // self.tp) % dp, tp=rank % self.tp)
+        dp, cp, tp = int(self.dp), self.cp, self.tp
+        return Coordinates(pp=rank // (dp * cp * tp), dp=(rank // (cp * tp)) % dp, tp=rank % tp, cp=(rank // tp) % cp)
 
     def rank_of(self, coords: Coordinates) -> int:
         """Inverse of :meth:`coordinates`."""
-        return (coords.pp * int(self.dp) + coords.dp) * self.tp + coords.tp
+        return ((coords.pp * int(self.dp) + coords.dp) * self.cp + coords.cp) * self.tp + coords.tp
 
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """Global ranks of the ``dim`` group ("pp", "dp" or "tp") that contains ``rank``, in group order."""
+        """Global ranks of the ``dim`` group ("pp", "dp", "cp" or "tp") that contains ``rank``, in group order."""
         if dim not in MESH_DIMS:
             raise ValueError(f"dim={dim!r} is not one of {MESH_DIMS}.")
         base = self.coordinates(rank)
@@ -120,7 +135,8 @@ class ParallelDims:
             raise ValueError('ParallelDims(dp="auto") must be resolved against a world size first: call .resolve().')
 
     def __str__(self) -> str:
-        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp}{cp} x tp={self.tp} x pp={self.pp}"
 
 
 class Topology:
@@ -141,6 +157,7 @@ class Topology:
         """Create the mesh over the already initialized default process group (collective on all ranks)."""
         dims = dims.resolve(dist.get_world_size())
         mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+        mesh["dp", "cp"]._flatten(REPLICA_DIM)
         return cls(dims, mesh)
 
     def group(self, dim: str) -> dist.ProcessGroup:
@@ -148,7 +165,19 @@ class Topology:
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.group("dp")
+        """Every rank holding the same weights (dp x cp): gradients are reduced and ZeRO state is
+        sharded over it; at cp=1 it is the data-parallel group."""
+        return self.group(REPLICA_DIM)
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of :attr:`dp_group` (FSDP2 shards over it)."""
+        return self.mesh[REPLICA_DIM]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The context-parallel peers: same weights, other tokens of the same sequences."""
+        return self.group("cp")
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -160,11 +189,21 @@ class Topology:
 
     @property
     def dp_size(self) -> int:
-        return int(self.dims.dp)
+        """Size of :attr:`dp_group` (dp x cp)."""
+        return int(self.dims.dp) * self.dims.cp
 
     @property
     def dp_rank(self) -> int:
-        return self.coords.dp
+        """Rank in :attr:`dp_group` (dp-major, as the flattened mesh orders it)."""
+        return self.coords.dp * self.dims.cp + self.coords.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
 
     @property
     def tp_rank(self) -> int:
@@ -188,17 +227,19 @@ class Topology:
         if getattr(self, "_embedding_group", None) is None:
             dims, mine = self.dims, None
             for dp in range(int(dims.dp)):
-                for tp in range(dims.tp):
-                    ranks = sorted({dims.rank_of(Coordinates(0, dp, tp)), dims.rank_of(Coordinates(dims.pp - 1, dp, tp))})
-                    group = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        mine = group
+                for cp in range(dims.cp):
+                    for tp in range(dims.tp):
+                        ends = (Coordinates(0, dp, tp, cp), Coordinates(dims.pp - 1, dp, tp, cp))
+                        ranks = sorted({dims.rank_of(c) for c in ends})
+                        group = dist.new_group(ranks)
+                        if self.rank in ranks:
+                            mine = group
             self._embedding_group = mine
         return self._embedding_group  # type: ignore[return-value]
 
     def dp_source_rank(self) -> int:
-        """Global rank of dp-rank 0 in this rank's dp group (the source for replica broadcasts)."""
-        return self.dims.rank_of(self.coords._replace(dp=0))
+        """Global rank of rank 0 of this rank's :attr:`dp_group` (the source for replica broadcasts)."""
+        return self.dims.rank_of(self.coords._replace(dp=0, cp=0))
 
     def tp_source_rank(self) -> int:
         """Global rank of tp-rank 0 in this rank's tp group (the source of tensor-parallel replicas)."""
@@ -210,7 +251,8 @@ class Topology:
 
     def __repr__(self) -> str:
         c = self.coords
-        return f"Topology({self.dims}, rank={self.rank}: pp={c.pp} dp={c.dp} tp={c.tp})"
+        cp = f" cp={c.cp}" if self.dims.cp > 1 else ""
+        return f"Topology({self.dims}, rank={self.rank}: pp={c.pp} dp={c.dp}{cp} tp={c.tp})"
 
 
 _current: ContextVar[Optional[Topology]] = ContextVar("lightning_3d_topology", default=None)

@@ -224,7 +224,7 @@ def _zero3_offload_norm() -> dict[str, Any]:
     with sc.strict_comm():
         model = nn.Module()
         model.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-        apply_zero3(model, topology.mesh["dp"], cpu_offload=True)
+        apply_zero3(model, topology.dp_mesh, cpu_offload=True)
         model.body(torch.randn(4, 8)).sum().backward()
         grads = [_local(p.grad) for p in model.parameters()]
         return {

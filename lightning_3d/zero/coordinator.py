@@ -69,10 +69,10 @@ class ZeroCoordinator:
             return
         mixed = (self.compute_dtype, torch.float32) if self.mixed else (None, None)
         offload = "cpu" in (self.offload_optimizer, self.offload_params)
-        self.fsdp_roots = apply_zero3(module, self.topology.mesh["dp"], *mixed, cpu_offload=offload)
+        self.fsdp_roots = apply_zero3(module, self.topology.dp_mesh, *mixed, cpu_offload=offload)
         # a seed per rank: dp chunks and tp slices of one weight must not repeat each other's values
         materialize_meta(
-            module, device, seed=torch.initial_seed() + 104729 * (self.topology.rank + 1), mesh=self.topology.mesh["dp"], initialize=initialize
+            module, device, seed=torch.initial_seed() + 104729 * (self.topology.rank + 1), mesh=self.topology.dp_mesh, initialize=initialize
         )
         restore_specs(module)  # to_empty() re-created FSDP2's parameters
 
