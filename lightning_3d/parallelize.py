@@ -4,12 +4,14 @@ The order is fixed and matters (DESIGN.md, "One training step"):
 
 1. check the layout against the models' shapes (every reason at once, before anything is sharded);
 2. tensor-parallel plan (built-in plans of the models found, or the user's plan);
-3. activation checkpointing (wraps whole blocks or their attention, after TP replaced the layers);
-4. pipeline split (keep this stage's blocks; the runtime takes over the forward);
-5. loss normalization over data parallel (pp == 1: the pipeline runtime weighs its micro-batches);
-6. precision dtype;
-7. materialize (the seam for meta-device models), device placement and replica sync;
-8. ZeRO (stage 0's reducer, stages 1-2's flat buffers, stage 3's ``fully_shard``).
+3. context parallelism: the models' positions and attention (through their families' adapters);
+4. activation checkpointing (wraps whole blocks or their attention, after TP replaced the layers);
+5. pipeline split (keep this stage's blocks; the runtime takes over the forward);
+6. loss normalization over data x context parallel (pp == 1: the pipeline runtime weighs its
+   micro-batches), then the context-parallel input split around it all (outermost);
+7. precision dtype;
+8. materialize (the seam for meta-device models), device placement and replica sync;
+9. ZeRO (stage 0's reducer, stages 1-2's flat buffers, stage 3's ``fully_shard``).
 
 Each step is a small function, usable alone (tests, benchmarks). The strategy calls
 :func:`parallelize` from its ``setup`` and keeps only Lightning's wiring around it.
@@ -30,6 +32,7 @@ from lightning_3d import rank_zero
 from lightning_3d.activation_checkpointing import attention_of, check_mode, checkpoint_blocks
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.config import ParallelConfig
+from lightning_3d.context_parallel.apply import ContextParallel, apply_context_parallel, shard_inputs
 from lightning_3d.loss_normalization import normalize_over_data_parallel
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
@@ -84,6 +87,9 @@ def parallelize(
     config.check_models(models_in(module), tensor_parallel_plan=tensor_parallel_plan is None)
     if config.tensor_parallel > 1:
         apply_tensor_parallel(module, topology, config, rng_tracker, tensor_parallel_plan)
+    cp = context_parallel_of(topology, config)
+    if cp is not None:
+        apply_context_parallel(module, cp)
     if config.activation_checkpointing != "none":
         apply_activation_checkpointing(module, config.activation_checkpointing, config.checkpoint_every_n_layers, rng_tracker)
     pipelines: list[PipelineRuntime] = []
@@ -98,6 +104,9 @@ def parallelize(
     if training and config.pipeline_parallel == 1:  # (the pipeline runtime weighs its micro-batches itself)
         for _, model, sequence, _ in find_sequences(module):
             normalize_over_data_parallel(model, sequence, topology.dp_group)
+    if cp is not None:
+        for _, model, sequence, _ in find_sequences(module):
+            shard_inputs(model, sequence, cp)
     precision.topology, precision.device_type = topology, device.type
     module = precision.convert_module(module)
     on_meta = _materialize(module, config, device)
@@ -121,6 +130,19 @@ def parallelize(
     if on_meta:  # each rank initialized its own chunks: tp peers' replicated chunks (and buffers) must agree
         synchronize_replicas(module, topology, pipelines, device)
     return Parallelized(module=module, zero=zero, pipelines=pipelines)
+
+
+def context_parallel_of(topology: Topology, config: ParallelConfig) -> Optional[ContextParallel]:
+    """This rank's :class:`ContextParallel` (``None`` at context_parallel=1)."""
+    if config.context_parallel == 1:
+        return None
+    return ContextParallel(
+        topology.cp_group,
+        topology.cp_size,
+        topology.cp_rank,
+        config.context_parallel_mode,
+        split_after=config.tensor_parallel if config.sequence_parallel else 1,
+    )
 
 
 def _materialize(module: nn.Module, config: ParallelConfig, device: torch.device) -> bool:

@@ -112,7 +112,7 @@ def test_rope_changes_outputs_after_the_first_position():
 
 
 def test_rope_scores_depend_on_relative_position_only():
-    cos, sin = rotary_cos_sin(12, 8, 10000.0, torch.device("cpu"))
+    cos, sin = rotary_cos_sin(torch.arange(12), 8, 10000.0)
     q, k = torch.randn(8), torch.randn(8)
     rotated_q = apply_rotary(q.expand(1, 1, 12, 8), cos, sin)[0, 0]
     rotated_k = apply_rotary(k.expand(1, 1, 12, 8), cos, sin)[0, 0]

@@ -9,7 +9,10 @@ file reads like a textbook GPT. Two choices keep that possible:
   attention too: a rank holding ``n_head/tp`` query and ``n_kv_head/tp`` key/value heads keeps the
   same grouping, which SDPA's ``enable_gqa`` applies.
 * The loss is an attribute (``loss_fn``) so a plan can swap in a vocab-parallel cross-entropy
-  without the model knowing.
+  without the model knowing. Two more such seams serve context parallelism, where a rank holds
+  only some of each sequence's tokens: ``positions`` (which positions the tokens in hand have;
+  learned and rotary positions both ask it) and ``AttentionCore.attend`` (the causal attention,
+  which then spans the tokens other ranks hold).
 """
 
 from __future__ import annotations
@@ -113,6 +116,17 @@ class GPTConfig:
         return v * e + positions + layers * (2 * norm + attention + mlp) + norm + head
 
 
+def sequence_positions(t: int, device: torch.device) -> Tensor:
+    """The positions of ``t`` tokens in hand, ``0..t-1``: the whole sequence (context parallelism
+    swaps in the true positions of a rank's chunks)."""
+    return torch.arange(t, device=device)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """Causal softmax attention (SDPA), grouped-query when k/v have fewer heads than q."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask: the part selective recompute re-runs, and
     the region whose dropout a tensor-parallel plan draws from per-rank randomness.
@@ -124,21 +138,21 @@ class AttentionCore(nn.Module):
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
+        self.attend: Callable[[Tensor, Tensor, Tensor, float], Tensor] = causal_attention
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1]
-        )
+        return self.attend(q, k, v, self.dropout if self.training else 0.0)
 
 
-def rotary_cos_sin(t: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos/sin tables ``(T, head_dim)`` for positions ``0..T-1``, in fp32.
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables ``(T, head_dim)`` for the given positions ``(T,)``, in fp32.
 
     Computed per call rather than held in buffers: buffers would be cast to bf16 with the
     parameters (losing precision at long range) and sharded or moved by ZeRO-3; the table is tiny.
     """
+    device = positions.device
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv_freq)
+    freqs = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -164,6 +178,7 @@ class CausalSelfAttention(nn.Module):
         self.core = AttentionCore(config.dropout)
         self.o_proj = nn.Linear(e, e, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.positions: Callable[[int, torch.device], Tensor] = sequence_positions
 
     def forward(self, x: Tensor) -> Tensor:
         b, t = x.shape[0], x.shape[1]
@@ -172,8 +187,8 @@ class CausalSelfAttention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rope_theta is not None:
-            # t is the full sequence here: sequence parallel gathers it before the q/k projections.
-            cos, sin = rotary_cos_sin(t, self.head_dim, self.rope_theta, x.device)
+            # t is every token this rank attends for: sequence parallel gathers them before the q/k projections.
+            cos, sin = rotary_cos_sin(self.positions(t, x.device), self.head_dim, self.rope_theta)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.o_proj(y))
@@ -242,6 +257,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.loss_fn: Callable[..., Tensor] = F.cross_entropy
+        self.positions: Callable[[int, torch.device], Tensor] = sequence_positions
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -273,7 +289,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}.")
         x = self.wte(input_ids)
         if self.config.position == "learned":
-            x = x + self.wpe(torch.arange(t, device=input_ids.device))
+            x = x + self.wpe(self.positions(t, input_ids.device))
         return self.drop(x)
 
     def head(self, x: Tensor, targets: Optional[Tensor] = None) -> Tensor:

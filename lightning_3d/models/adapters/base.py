@@ -10,7 +10,7 @@ A family is one module holding one :class:`ModelAdapter` subclass.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor, nn
 
@@ -19,6 +19,9 @@ from lightning_3d.layout_rules import ModelDims, raise_refusals, tensor_parallel
 from lightning_3d.pipeline.sequences import LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.plans import TensorParallelPlan
+
+if TYPE_CHECKING:
+    from lightning_3d.context_parallel.apply import ContextParallel
 
 
 def _first(tensors: list[Tensor]) -> Tensor:
@@ -71,6 +74,18 @@ class ModelAdapter:
         """What ``activation_checkpointing="selective"`` recomputes in ``block``: the attention
         (its activations grow with the square of the sequence; its FLOPs are few)."""
         return attention_of(block)
+
+    def context_parallel(self, model: nn.Module, cp: "ContextParallel") -> None:
+        """Make ``model`` compute on this rank's chunks of each sequence: its positions become
+        ``cp.positions`` (the true positions of the local tokens) and its causal attention
+        ``cp.attention`` (over the whole sequence, through the cp group). Families without this
+        wiring refuse context parallelism, before anything is sharded."""
+        raise NotImplementedError(
+            f"context_parallel={cp.size}: the {self.name!r} model family has no context-parallel wiring in this "
+            f"version (the reference GPT has, in GPT-2 and Llama architecture: lightning_3d.models.GPT); use "
+            f"context_parallel=1, with tensor_parallel and sequence_parallel=True to divide a long sequence's "
+            f"activations, or activation_checkpointing."
+        )
 
     def dims(self, model: nn.Module) -> ModelDims:
         """The sizes a layout must divide, labelled with the names the user knows them by."""

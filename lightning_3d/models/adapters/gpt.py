@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -12,11 +12,14 @@ from torch import Tensor, nn
 from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
 from lightning_3d.models.adapters.registry import register_adapter
-from lightning_3d.models.gpt import GPT, IGNORE_INDEX, AttentionCore, GPTConfig
+from lightning_3d.models.gpt import GPT, IGNORE_INDEX, AttentionCore, CausalSelfAttention, GPTConfig
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_3d.tensor_parallel.plans import PlanContext, StyleSpec, TensorParallelPlan, gather_logits_hook
+
+if TYPE_CHECKING:
+    from lightning_3d.context_parallel.apply import ContextParallel
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
@@ -247,6 +250,30 @@ class GPTAdapter(ModelAdapter):
             if isinstance(module, AttentionCore):
                 return module
         return super().recompute_target(block)
+
+    def context_parallel(self, model: nn.Module, cp: "ContextParallel") -> None:
+        """Learned and rotary positions both read ``positions`` (the model's and each attention's);
+        ``AttentionCore.attend`` becomes cp's attention. The kernels have no attention dropout, so a
+        model with dropout is refused; the full sequence must fit ``block_size`` (learned positions)."""
+        config = model.config
+        if config.dropout:
+            raise ValueError(
+                f"context_parallel={cp.size}: GPTConfig.dropout={config.dropout} applies dropout to attention, which "
+                f"the context-parallel kernels do not have; set dropout=0.0 (as Llama-style pre-training does) or "
+                f"use context_parallel=1."
+            )
+
+        def positions(t: int, device: torch.device) -> Tensor:
+            if t * cp.size > config.block_size:
+                raise ValueError(f"sequence length {t * cp.size} exceeds block_size={config.block_size}.")
+            return cp.positions(t, device)
+
+        model.positions = positions
+        for module in model.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.positions = positions
+            elif isinstance(module, AttentionCore):
+                module.attend = cp.attention
 
     def dims(self, model: nn.Module) -> ModelDims:
         c = model.config

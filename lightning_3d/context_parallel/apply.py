@@ -1,0 +1,184 @@
+"""Context parallelism applied from outside: each cp rank keeps its chunks of every sequence.
+
+A forward meets three pieces, installed by :func:`apply_context_parallel`:
+
+1. The model's ``forward`` is wrapped (outermost, around the loss normalization and the pipeline
+   runtime): every tensor argument whose dim 1 is the sequence length of the first tensor
+   argument (token ids, targets, masks) is cut to this rank's load-balanced chunks
+   (:func:`~lightning_3d.context_parallel.layout.shard_sequence`). Every cp rank loads the same
+   batch (the sampler splits samples over dp only), so no data moves.
+2. The model family's adapter (``ModelAdapter.context_parallel``) points the model's seams at
+   :class:`ContextParallel`: the true positions of the local tokens (RoPE, learned positions) and
+   attention over the whole sequence (ring or all-to-all over the cp group).
+3. Outputs. A training loss stays this rank's mean over its tokens: the loss normalization
+   (:mod:`lightning_3d.loss_normalization`) rescales it over dp x cp by target counts, so the
+   average the gradient reduction computes is the batch's token mean. An evaluation loss is
+   combined here into the mean over the whole sequences (one all-reduce of sum and count); logits
+   are gathered back to the full sequence in natural order (the gather's backward sums each rank's
+   gradient for the tokens it holds, so a loss computed outside the model on full logits trains
+   correctly too; passing targets to the model keeps the LM head's memory divided by cp).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_3d.context_parallel.layout import check_divisible, local_positions, shard_sequence, unshard_sequence
+from lightning_3d.context_parallel.ring import ring_attention
+from lightning_3d.context_parallel.ulysses import all_to_all_attention
+from lightning_3d.pipeline.sequences import LayerSequence
+
+MODES = ("ring", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place in its cp group and the attention mode: what a model's seams call.
+
+    ``split_after``: how many ways the local tokens are split again after context parallelism
+    (tensor_parallel under sequence parallelism), only for the length check.
+    """
+
+    group: Any
+    size: int
+    rank: int
+    mode: str = "ring"
+    split_after: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"context_parallel_mode={self.mode!r} is unknown: choose one of {MODES}.")
+
+    def positions(self, t: int, device: torch.device) -> Tensor:
+        """True positions of the ``t`` local tokens (this rank's two chunks of a ``t * size`` sequence)."""
+        return local_positions(t * self.size, self.rank, self.size, device)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+        """Causal attention of the local queries over the whole sequence's keys (``AttentionCore.attend``)."""
+        if dropout_p:
+            raise ValueError(
+                f"context-parallel attention has no dropout (got dropout_p={dropout_p}); set the model's attention "
+                f"dropout to 0 or use context_parallel=1."
+            )
+        if self.mode == "ring":
+            return ring_attention(q, k, v, self.group)
+        return all_to_all_attention(q, k, v, self.group)
+
+    def check_length(self, length: int) -> None:
+        """Refuse, naming the values, a sequence the layout cannot cut (before anything runs on it)."""
+        check_divisible(length, self.size)
+        local = length // self.size
+        if local % self.split_after:
+            raise ValueError(
+                f"sequence length {length} leaves {local} tokens per context-parallel rank (context_parallel="
+                f"{self.size}), which sequence parallel cannot split over tensor_parallel={self.split_after}; use a "
+                f"sequence length divisible by {math.lcm(2 * self.size, self.size * self.split_after)}."
+            )
+
+    def shard(self, x: Tensor) -> Tensor:
+        """This rank's chunks of ``x`` along dim 1."""
+        return shard_sequence(x, 1, self.rank, self.size)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """The full sequence along dim 1 from every rank's local part (autograd: reduce-scatter back)."""
+        return _GatherSequence.apply(x, self)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of the local parts along dim 1, reordered to natural order. Backward: every rank's
+    gradient for the full sequence, reduced (summed) onto the rank holding each token."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cp: ContextParallel) -> Tensor:
+        ctx.cp = cp
+        local = x.contiguous()
+        stacked = torch.empty((cp.size, *local.shape), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(stacked, local, group=cp.group)
+        return unshard_sequence(list(stacked.unbind(0)), 1, cp.size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        cp: ContextParallel = ctx.cp
+        parts = torch.stack([shard_sequence(grad, 1, r, cp.size) for r in range(cp.size)]).contiguous()
+        out = torch.empty(parts.shape[1:], dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, parts, group=cp.group)
+        return out, None
+
+
+def _sequence_length(args: tuple, kwargs: dict) -> Optional[int]:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor) and value.dim() >= 2:
+            return int(value.shape[1])
+    return None
+
+
+def _combined_eval_loss(loss: Tensor, count: int, cp: ContextParallel) -> Tensor:
+    """The mean over the whole sequences from each rank's mean over its tokens (weights: target counts)."""
+    stats = torch.stack([loss.detach().float().nan_to_num(0.0) * count, torch.tensor(float(count), device=loss.device)])
+    dist.all_reduce(stats, group=cp.group)
+    return (stats[0] / stats[1].clamp(min=1.0)).to(loss.dtype)
+
+
+def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel) -> None:
+    """Wrap ``model.forward``: sequence-shaped inputs -> local chunks; outputs as the module docstring says
+    (idempotent: a second set-up of the same model, e.g. ``validate`` after ``fit``, keeps one wrapper)."""
+    if getattr(model, "_context_parallel", None) is not None:
+        return
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        length = _sequence_length(args, kwargs)
+        if length is None:
+            return original(*args, **kwargs)
+        cp.check_length(length)
+
+        def local(value: Any) -> Any:
+            return cp.shard(value) if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == length else value
+
+        args = tuple(local(a) for a in args)
+        kwargs = {k: local(v) for k, v in kwargs.items()}
+        out = original(*args, **kwargs)
+        loss = sequence.loss_of(out)
+        if loss is not None:
+            if model.training and torch.is_grad_enabled():
+                return out  # rescaled over dp x cp by the loss normalization inside
+            count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
+            return sequence.with_loss(out, _combined_eval_loss(loss, count, cp))
+        if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[1] == length // cp.size:
+            return cp.gather(out)
+        return out
+
+    model.forward = forward  # type: ignore[method-assign]
+    model._context_parallel = cp  # type: ignore[attr-defined]
+
+
+def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
+    """Give every model with a layer sequence inside ``root`` context-parallel attention and positions
+    (through its family's adapter); returns how many models. The input wrapper comes later
+    (:func:`shard_inputs`), outside the loss normalization and the pipeline runtime."""
+    from lightning_3d.models.adapters.registry import find_sequences, known_names
+
+    found = find_sequences(root)
+    if not found:
+        raise ValueError(
+            f"context_parallel={cp.size} found no model with a layer sequence in {type(root).__name__} (model families: "
+            f"{known_names()}); build the model in configure_model(), or use context_parallel=1."
+        )
+    for name, model, _, adapter in found:
+        if adapter is None:
+            raise NotImplementedError(
+                f"context_parallel={cp.size}: model {name or type(model).__name__!r} declares its own layer sequence, but "
+                f"no model family adapter says where its positions and attention are, which context parallelism must "
+                f"replace; use a registered family ({known_names()}) or context_parallel=1."
+            )
+        if getattr(model, "_context_parallel", None) is None:
+            adapter.context_parallel(model, cp)
+    return len(found)
