@@ -80,6 +80,8 @@ def layout_of(cfg: DictConfig, world_size: int) -> Layout:
         sequence_parallel=config.sequence_parallel,
         recompute=str(config.activation_checkpointing),
         offload=str(config.offload_params if zero3 else config.offload_optimizer),
+        cp=dims.cp,
+        context_parallel_mode=str(config.context_parallel_mode),
     )
 
 

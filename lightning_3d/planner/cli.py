@@ -34,6 +34,10 @@ LAYOUT_KEYS = {
     "sequence_parallel": ("sequence_parallel", "bool"),
     "recompute": ("recompute", str),
     "offload": ("offload", str),
+    "cp": ("cp", int),
+    "context_parallel": ("cp", int),
+    "cp_mode": ("context_parallel_mode", str),
+    "context_parallel_mode": ("context_parallel_mode", str),
 }
 
 
@@ -55,7 +59,7 @@ def parse_layout(text: str) -> dict[str, Any]:
             except ValueError:
                 raise ValueError(f"--layout {key}={value!r} must be an integer.") from None
         else:
-            out[field] = {"interleaved": "interleaved_1f1b"}.get(value, value)
+            out[field] = {"interleaved": "interleaved_1f1b", "a2a": "all_to_all"}.get(value, value)
     return out
 
 
@@ -73,7 +77,7 @@ def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds:
         f"software profile {problem.software.name}; {searched} layouts estimated in {seconds:.2f} s\n"
     )
     cols = (
-        f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'mb':>3} {'m':>5} {'schedule':>11} {'zero':>4} {'sp':>3} "
+        f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>4} {'mb':>3} {'m':>5} {'schedule':>11} {'zero':>4} {'sp':>3} "
         f"{'recompute':>9} {'offload':>7} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'other':>6} {'total':>6} GiB"
         f" | {'step s':>8} {'TFLOP/s':>7} {'MFU':>5} {'tokens/s':>10}"
     )
@@ -82,10 +86,11 @@ def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds:
         lay, mem = e.layout, e.memory
         schedule = "-" if lay.pp == 1 else ("interl." + f"v{lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule)
         other = mem["buffers"] + mem["reserved"]
+        cp = "-" if lay.cp == 1 else f"{lay.cp}" + ("a" if lay.context_parallel_mode == "all_to_all" else "r")
         activations = mem["activations"] + mem["recompute"]
         flag = ("" if e.fits else f"  DOES NOT FIT: {e.why_not}") + ("  *" if e.caveats else "")
         lines.append(
-            f"{i:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.micro_batch_size:>3} {lay.micro_batches(problem.global_batch):>5} "
+            f"{i:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {cp:>4} {lay.micro_batch_size:>3} {lay.micro_batches(problem.global_batch):>5} "
             f"{schedule:>11} {lay.zero_stage:>4} {'y' if lay.sequence_parallel else 'n':>3} {lay.recompute:>9} {lay.offload:>7} | "
             f"{_gib(mem['params']):>6} {_gib(mem['grads']):>6} {_gib(mem['optimizer']):>6} {_gib(activations):>6} "
             f"{_gib(other):>6} {_gib(mem['total']):>6}     | {e.step_seconds:>8.3f} {e.tflops_per_device:>7.1f} "
@@ -105,9 +110,9 @@ def plan_main(argv: list[str]) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=..., cluster=..., recipe=..., data.global_batch_size=...")
     parser.add_argument("--format", choices=["table", "json"], default="table")
-    parser.add_argument("--layout", default=None, help="evaluate one layout, e.g. tp=4,pp=12,dp=8,mb=2,zero=1")
+    parser.add_argument("--layout", default=None, help="evaluate one layout, e.g. tp=4,pp=12,dp=8,mb=2,zero=1 (cp=16,cp_mode=ring)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to show (default 10)")
-    parser.add_argument("--all", action="store_true", help="every fitting variant, not just the best per (dp, tp, pp)")
+    parser.add_argument("--all", action="store_true", help="every fitting variant, not just the best per (dp, tp, pp, cp)")
     parser.add_argument("--software", default="lightning_3d", help="lightning_3d | megatron_2021 | megatron_deepspeed_2022")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: data.global_batch_size)")
     parser.add_argument("--seq-len", type=int, default=None, help="default: model.block_size")

@@ -16,6 +16,9 @@ Models", section 4), bytes per transformer layer for micro-batch ``b``, sequence
 * tensor + sequence parallel: s b h / t (34 + 5 a s / h)
 * selective recompute (attention core re-run) drops the 5 a s / h term
 * full recompute keeps only each layer's input: 2 s b h (/ t with sequence parallel).
+* context parallel ``cp``: each rank keeps ``s / cp`` tokens, so every term above is ``/ cp``; the
+  attention kernels (ring, all-to-all) keep their output and a log-sum-exp per row, never the
+  scores (the ``5 a s / h`` term becomes ``4 a`` fp32 bytes per token).
 
 The formula is written here per stored tensor, so that it also covers what the paper fixes:
 the activation dtype (``c`` bytes), dropout off (no masks, no dropout outputs), grouped-query
@@ -56,12 +59,13 @@ class ActivationOptions:
     recompute: str = "none"  # none | selective | full
     flash_attention: bool = False
     bytes_per_element: float = 2.0
+    cp: int = 1  # context parallel: the rank holds s / cp of each sequence
 
 
 def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: ActivationOptions) -> float:
     """Bytes one layer keeps for backward for one micro-batch (what is alive between its forward
     and its backward); under full recompute, only its input."""
-    s, b, h, t = model.seq_len, micro_batch, model.hidden, opts.tp
+    s, b, h, t = model.seq_len / opts.cp, micro_batch, model.hidden, opts.tp
     c = opts.bytes_per_element
     sbh = s * b * h
     if opts.recompute == "full":
@@ -79,7 +83,7 @@ def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: Activation
     # The attention core: the a s^2 scores (softmax output; with dropout its mask and output), or
     # for fused attention one fp32 log-sum-exp per (head, position) -- its output is the output
     # projection's input, counted above.
-    if opts.flash_attention:
+    if opts.flash_attention or opts.cp > 1:  # the cp kernels keep out + log-sum-exp, like flash
         core = 4.0 * model.n_head * s * b
     else:
         core = model.n_head * s * s * b * (c + (mask + c if model.dropout else 0.0))
@@ -120,9 +124,9 @@ def activation_bytes(
     stored = layers_on_stage * in_flight * layer_activation_bytes(model, micro_batch, opts)
     if head_on_stage:
         # Logits and their gradient, split over the vocabulary by tensor parallelism.
-        stored += 2 * opts.bytes_per_element * model.seq_len * micro_batch * model.vocab / opts.tp
+        stored += 2 * opts.bytes_per_element * model.seq_len / opts.cp * micro_batch * model.vocab / opts.tp
     recompute = 0.0
     if opts.recompute == "full":
-        working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element)
+        working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element, opts.cp)
         recompute = layer_activation_bytes(model, micro_batch, working)
     return {"stored": stored, "recompute": recompute}

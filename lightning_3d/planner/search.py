@@ -1,8 +1,8 @@
 """Enumerate 3D layouts, estimate each one's memory and step time, rank the ones that fit.
 
-A *layout* is the degrees (dp, tp, pp) plus the options that change memory or time: micro-batch
-size, schedule and virtual stages, ZeRO stage, sequence parallelism, activation recomputation and
-offload. A *software* profile says which options the training stack offers, so the same planner
+A *layout* is the degrees (dp, tp, pp, and context parallel cp) plus the options that change
+memory or time: micro-batch size, schedule and virtual stages, ZeRO stage, sequence parallelism,
+activation recomputation, offload and the context-parallel mode. A *software* profile says which options the training stack offers, so the same planner
 can answer "what would lightning_3d do here" and "what could Megatron-LM do in 2021".
 """
 
@@ -17,6 +17,7 @@ from lightning_3d.layout_rules import (
     LayoutRefused,
     Refusal,
     batch_refusals,
+    context_parallel_refusals,
     feature_refusals,
     pipeline_refusals,
     sequence_parallel_refusals,
@@ -24,6 +25,7 @@ from lightning_3d.layout_rules import (
     world_refusals,
 )
 from lightning_3d.planner.collectives import NCCL_VERSIONS, Group, collective_cost
+from lightning_3d.planner.context_parallel import CP_MIN_SEQUENCE, CP_MODES, ContextParallelCost, layer_cp_cost
 from lightning_3d.planner.data_parallel import DataParallelTime, replicated_params_comm, sharded_params_comm
 from lightning_3d.planner.hardware import ClusterSpec
 from lightning_3d.planner.memory import ActivationOptions, activation_bytes, activations_in_flight, zero_model_state_bytes
@@ -73,6 +75,7 @@ class Software:
     zero3_per_parameter: bool = False  # one all-gather per parameter tensor, not per layer
     zero3_persist_below: float = 0.0  # tensors with fewer elements stay whole (not gathered)
     zero3_own_adapter: bool = False  # its world-spanning gathers reach one adapter's share per device
+    context_parallel_modes: tuple[str, ...] = CP_MODES  # () : no context parallelism
 
 
 SOFTWARE: dict[str, Software] = {
@@ -82,6 +85,7 @@ SOFTWARE: dict[str, Software] = {
     "megatron_2021": Software(
         "megatron_2021",
         zero_stages=(0,),
+        context_parallel_modes=(),
         recompute=("full",),
         sequence_parallel=(False,),
         offload=("none",),
@@ -101,6 +105,7 @@ SOFTWARE: dict[str, Software] = {
     "megatron_deepspeed_2022": Software(
         "megatron_deepspeed_2022",
         zero_stages=(0, 1),
+        context_parallel_modes=(),
         schedules=("1f1b",),
         recompute=("full",),
         sequence_parallel=(False,),
@@ -122,6 +127,7 @@ SOFTWARE: dict[str, Software] = {
     "deepspeed_zero3_2021": Software(
         "deepspeed_zero3_2021",
         zero_stages=(0, 1, 2, 3),
+        context_parallel_modes=(),
         schedules=("1f1b",),
         recompute=("none", "full"),
         sequence_parallel=(False,),
@@ -168,16 +174,27 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str = "none"
     offload: str = "none"
+    cp: int = 1  # context parallel: each sequence split over cp ranks (same weights, other tokens)
+    context_parallel_mode: str = "ring"  # ring | all_to_all (meaningful for cp > 1)
 
     @property
-    def degrees(self) -> tuple[int, int, int]:
-        return (self.dp, self.tp, self.pp)
+    def degrees(self) -> tuple[int, int, int, int]:
+        """(dp, tp, pp, cp): what :func:`rank` keeps the best of."""
+        return (self.dp, self.tp, self.pp, self.cp)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
 
     def micro_batches(self, global_batch: int) -> int:
+        """Micro-batches per step: the global batch splits over dp only (cp ranks share sequences)."""
         return global_batch // (self.dp * self.micro_batch_size)
 
     def short(self) -> str:
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"mb={self.micro_batch_size}"]
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}" + ("(a2a)" if self.context_parallel_mode == "all_to_all" else ""))
+        parts.append(f"mb={self.micro_batch_size}")
         if self.pp > 1:
             parts.append("interleaved" + f"(v={self.virtual_stages})" if self.virtual_stages > 1 else self.schedule)
         parts.append(f"zero={self.zero_stage}")
@@ -203,6 +220,8 @@ class Layout:
             "activation_checkpointing": None if self.recompute == "none" else self.recompute,
             "offload_optimizer": self.offload if self.offload != "none" and self.zero_stage < 3 else None,
             "offload_params": self.offload if self.offload != "none" and self.zero_stage == 3 else None,
+            "context_parallel": self.cp,
+            "context_parallel_mode": self.context_parallel_mode,
         }
         if split_points:
             out["pipeline_partition"] = list(split_points)
@@ -307,7 +326,7 @@ class Planner:
         self.problem = problem
         self.c, self.k = PRECISIONS[problem.precision]
         self._layer_cost = functools.lru_cache(maxsize=None)(self._layer_cost_uncached)
-        self._degree_cache: dict[tuple[int, int, int], list[Refusal]] = {}
+        self._degree_cache: dict[tuple[int, int, int, int], list[Refusal]] = {}
 
     # -- bandwidths --------------------------------------------------------------------------
     def _per_device_network(self) -> float:
@@ -340,31 +359,51 @@ class Planner:
     def nccl(self):  # type: ignore[no-untyped-def]
         return NCCL_VERSIONS[self.problem.software.nccl]
 
-    def _layer_cost_uncached(self, mb: int, tp: int, sp: bool, recompute: str):  # type: ignore[no-untyped-def]
+    def _layer_cost_uncached(self, mb: int, tp: int, sp: bool, recompute: str, cp: int = 1, mode: str = "ring"):  # type: ignore[no-untyped-def]
         p = self.problem
         cost = layer_cost(
-            p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._group(1, tp), self.nccl
+            p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._group(1, tp), self.nccl, cp
         )
         if p.software.tp_comm_overlap:  # chunked GEMMs hide the collectives they are longer than
             cost = replace(cost, tp_comm=max(0.0, cost.tp_comm - cost.forward - cost.backward))
+        if cp > 1:
+            cost = replace(cost, cp_comm=self._cp_cost(mb, tp, recompute, cp, mode, cost.attention_forward).exposed)
         return cost
+
+    def _cp_cost(self, mb: int, tp: int, recompute: str, cp: int, mode: str, attention_forward: float) -> ContextParallelCost:
+        """One layer's context-parallel exchange per micro-batch over the cp group: ``cp`` ranks
+        ``tp`` apart (rank order pp, dp, cp, tp), inside a node while cp x tp fits in one."""
+        p, model, cluster = self.problem, self.problem.model, self.problem.cluster
+        return layer_cp_cost(
+            mode=mode, cp=cp, tp=tp, micro_batch=mb, seq_len=model.seq_len, n_head=model.n_head,
+            n_kv_head=model.n_kv_head, head_dim=model.head_dim, c=self.c, attention_forward=attention_forward,
+            recompute=recompute, nccl=self.nccl, group_nodes=_nodes_spanned(tp, cp, cluster.devices_per_node),
+            ring_gb_per_s=self._bandwidth(tp, cp), intra_gb_per_s=cluster.intra_node_gb_per_s,
+            device_net_gb_per_s=self._per_device_network() if cluster.num_nodes > 1 else cluster.intra_node_gb_per_s,
+            amd_host=cluster.host_cpu == "amd",
+        )
 
     # -- one layout --------------------------------------------------------------------------
     def evaluate(self, layout: Layout) -> Estimate:
         p, model, cluster = self.problem, self.problem.model, self.problem.cluster
         c, k = self.c, self.k
         t, pp, d, mb, v = layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.virtual_stages
+        cp = layout.cp
         m = layout.micro_batches(p.global_batch)
-        cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute)
-        head_seconds = head_cost(model, cluster, mb, t)
+        if cp > 1:
+            cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute, cp, layout.context_parallel_mode)
+        else:  # the cache key of every cp=1 layout, as before cp
+            cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute)
+        local_seq = model.seq_len / cp  # tokens of each sequence this device holds
+        head_seconds = head_cost(model, cluster, mb, t, cp)
         if not p.software.tp_comm_overlap:
-            head_seconds += 2 * collective_cost("all_reduce", mb * model.seq_len * model.hidden * 2.0, self._group(1, t), self.nccl).seconds
+            head_seconds += 2 * collective_cost("all_reduce", mb * local_seq * model.hidden * 2.0, self._group(1, t), self.nccl).seconds
         head_weight = head_seconds / cost.total if p.software.balanced_stages else 0.0
         layers, split_points = stage_layers(model.n_layer, pp, v, head_weight)
 
         # ---- memory, on the first stage (most activations in flight) and the last (head) ----
         in_flight = activations_in_flight(layout.schedule, pp, m, v)
-        act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c)
+        act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp)
         layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
         embed_psi = model.embedding_params / t
         head_psi = model.head_params / t if not model.tied_embeddings else model.hidden * (2 if model.bias else 1)
@@ -377,7 +416,7 @@ class Planner:
         psi_max = 0.0
         for index, psi, flight, has_head in stages:
             grad_bytes = c + (p.software.extra_grad_bytes if c == 2.0 else 0.0)
-            states = zero_model_state_bytes(psi, layout.zero_stage, d, k=k, c=c, grad_bytes=grad_bytes)
+            states = zero_model_state_bytes(psi, layout.zero_stage, d * cp, k=k, c=c, grad_bytes=grad_bytes)  # ZeRO spans dp x cp
             if layout.offload != "none":
                 states["optimizer"] = 0.0
                 if layout.zero_stage == 3:
@@ -391,7 +430,9 @@ class Planner:
                 unit = max(model.layer_tensor_sizes(t)) if p.software.zero3_per_parameter else model.layer_sharded_params / t
                 buffers += 2 * c * unit
             if pp > 1:
-                buffers += 2 * c * mb * model.seq_len * model.hidden / (t if layout.sequence_parallel else 1)
+                buffers += 2 * c * mb * local_seq * model.hidden / (t if layout.sequence_parallel else 1)
+            if cp > 1:
+                buffers += self._cp_buffer_bytes(layout)
             memory = {
                 **states,
                 "activations": activations["stored"],
@@ -405,7 +446,7 @@ class Planner:
             psi_max = max(psi_max, psi)
         assert best_memory is not None
 
-        optimizer_shard = psi_max / (d if layout.zero_stage >= 1 else 1)
+        optimizer_shard = psi_max / (d * cp if layout.zero_stage >= 1 else 1)
         host = nvme = 0.0
         if layout.offload == "cpu":
             host = k * optimizer_shard * cluster.devices_per_node
@@ -432,9 +473,9 @@ class Planner:
         p2p = 0.0
         if pp > 1:
             split = layout.sequence_parallel or p.software.p2p_scatter_gather
-            nbytes = c * mb * model.seq_len * model.hidden / (t if split else 1)
+            nbytes = c * mb * local_seq * model.hidden / (t if split else 1)
             hidden = p.software.p2p_overlap and v > 1  # Megatron-Core overlaps p2p for the interleaved schedule
-            p2p = 0.0 if hidden else 2 * p2p_seconds(nbytes, self._bandwidth(t * d, 2))
+            p2p = 0.0 if hidden else 2 * p2p_seconds(nbytes, self._bandwidth(t * cp * d, 2))  # a stage is dp x cp x tp ranks
         per_micro_batch = stage_seconds + v * p2p
         if v == 1:
             bubble = (pp - 1) * per_micro_batch
@@ -448,23 +489,32 @@ class Planner:
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
         step = pipeline + exposed_dp + opt
 
-        world = d * t * pp
+        world = layout.world
         recompute_passes = {"none": 0.0, "full": 1.0, "selective": 0.0}[layout.recompute]
         hardware_flops = model.step_flops(p.global_batch, recompute_passes)
         model_flops = model.step_flops(p.global_batch, 0.0)
         tflops = hardware_flops / world / step / 1e12
         mfu = model_flops / world / step / (cluster.device.peak_tflops * 1e12)
         time = {
-            "compute": m * stage_seconds - m * max(layers) * cost.tp_comm,
+            "compute": m * stage_seconds - m * max(layers) * (cost.tp_comm + cost.cp_comm),
             "tp_comm": m * max(layers) * cost.tp_comm,
+            **({"cp_comm_exposed": m * max(layers) * cost.cp_comm} if cp > 1 else {}),
             "pp_bubble": bubble,
             "pp_p2p": m * v * p2p,
             "dp_comm_exposed": exposed_dp,
             "optimizer": opt,
         }
         comm = {"dp": dp_time.to_dict()}
+        if cp > 1:
+            cp_cost = self._cp_cost(mb, t, layout.recompute, cp, layout.context_parallel_mode, cost.attention_forward)
+            cp_nodes = _nodes_spanned(t, cp, cluster.devices_per_node)
+            comm["cp"] = {
+                "ranks": cp, "stride": t, "nodes": cp_nodes,
+                "gb_per_s": self._bandwidth(t, cp) if layout.context_parallel_mode == "ring" else None,
+                **cp_cost.to_dict(scale=m * max(layers)),
+            }
         caveats = []
-        dp_nodes = self._group(t, d).nodes
+        dp_nodes = self._group(t, d * cp).nodes
         if layout.zero_stage == 3 and not p.software.zero3_own_adapter and dp_nodes > ZERO3_VALIDATED_NODES:
             caveats.append(
                 f"ZeRO-3 over {dp_nodes} nodes assumes its gathers reach NCCL's ring bandwidth; the one published "
@@ -488,11 +538,26 @@ class Planner:
             caveats=caveats,
         )
 
+    def _cp_buffer_bytes(self, layout: Layout) -> float:
+        """Transient bytes of one layer's cp attention (what the kernels allocate beyond the stored
+        activations). Ring: two K/V blocks in forward; in backward the K/V block and its spare,
+        three fp32 dK/dV accumulators (local, incoming, outgoing) and the fp32 dQ. All-to-all: the
+        head-sharded q, k, v (kv replicated to lcm(kv/t, cp)) and output over the full sequence."""
+        model, c, t, cp = self.problem.model, self.c, layout.tp, layout.cp
+        tokens = layout.micro_batch_size * model.seq_len / cp
+        kv = 2 * tokens * model.n_kv_head / t * model.head_dim  # K and V elements of the local tokens
+        q = tokens * model.n_head / t * model.head_dim
+        if layout.context_parallel_mode == "ring":
+            return max(2 * kv * c, 2 * kv * c + 3 * kv * 4.0 + q * 4.0)
+        kv_heads = model.n_kv_head // t
+        replicated = math.lcm(max(1, kv_heads), cp) / max(1, kv_heads)
+        return (2 * q + kv * replicated) * c
+
     def _data_parallel_time(self, layout: Layout, layers: list[int], psi: float, cost: Any) -> DataParallelTime:
         """The data-parallel collectives of one step on the heaviest stage (``psi`` parameters on
         this tensor-parallel rank), and how much of them compute hides (data_parallel.py)."""
         p, model, sw = self.problem, self.problem.model, self.problem.software
-        t, d, pp = layout.tp, layout.dp, layout.pp
+        t, d, pp = layout.tp, layout.dp * layout.cp, layout.pp  # gradients and ZeRO state span dp x cp
         m = layout.micro_batches(p.global_batch)
         group = self._group(t, d, own_adapter=sw.zero3_own_adapter and layout.zero_stage == 3)
         if layout.zero_stage == 3:
@@ -515,26 +580,32 @@ class Planner:
     # Candidates come from the software profile's options; a candidate is proposed only when no rule
     # refuses it: the strategy's own (lightning_3d.layout_rules, which ParallelConfig raises) and the
     # planner's (the batch must split evenly, the profile must offer the option).
-    def degree_refusals(self, d: int, t: int, pp: int) -> list[Refusal]:
-        """Why (dp, tp, pp) cannot train this model on this cluster with this batch."""
-        key = (d, t, pp)
+    def degree_refusals(self, d: int, t: int, pp: int, cp: int = 1) -> list[Refusal]:
+        """Why (dp, tp, pp, cp) cannot train this model on this cluster with this batch."""
+        key = (d, t, pp, cp)
         if key not in self._degree_cache:
-            self._degree_cache[key] = self._degree_refusals(d, t, pp)
+            self._degree_cache[key] = self._degree_refusals(d, t, pp, cp)
         return self._degree_cache[key]
 
-    def _degree_refusals(self, d: int, t: int, pp: int) -> list[Refusal]:
+    def _degree_refusals(self, d: int, t: int, pp: int, cp: int = 1) -> list[Refusal]:
         p, model, cluster, sw = self.problem, self.problem.model, self.problem.cluster, self.problem.software
         out: list[Refusal] = []
-        if d * t * pp != cluster.world_size:
+        if d * t * pp * cp != cluster.world_size:
+            product = f"dp x tp x pp = {d} x {t} x {pp}" if cp == 1 else f"dp x tp x pp x cp = {d} x {t} x {pp} x {cp}"
             out.append(Refusal(
                 "world_size",
-                f"layout dp x tp x pp = {d} x {t} x {pp} = {d * t * pp} does not match the {cluster.world_size} devices "
+                f"layout {product} = {d * t * pp * cp} does not match the {cluster.world_size} devices "
                 f"of cluster {cluster.name!r}; choose degrees whose product is {cluster.world_size}.",
             ))
         else:
             node = None if p.cross_node_tp else cluster.devices_per_node
-            out += world_refusals(dp=d, tp=t, pp=pp, world_size=cluster.world_size, processes_per_node=node)
+            out += world_refusals(dp=d, tp=t, pp=pp, cp=cp, world_size=cluster.world_size, processes_per_node=node)
         out += tensor_parallel_refusals(t, model) + pipeline_refusals(pp, 1, model)
+        if cp > 1 and not sw.context_parallel_modes:
+            out.append(Refusal(
+                "profile:context_parallel",
+                f"software profile {sw.name!r} has no context parallelism; use cp=1 (or --software lightning_3d).",
+            ))
         if p.global_batch % d:
             out.append(Refusal(
                 "planner:dp_divides_batch",
@@ -552,7 +623,7 @@ class Planner:
     def refusals(self, layout: Layout) -> list[Refusal]:
         """Every reason ``layout`` is not proposed: the strategy's rules on the keywords it would be
         run with (:meth:`Layout.strategy_kwargs`), then the planner's and the profile's."""
-        out = list(self.degree_refusals(layout.dp, layout.tp, layout.pp))
+        out = list(self.degree_refusals(layout.dp, layout.tp, layout.pp, layout.cp))
         return out + self._option_refusals(layout)
 
     def _option_refusals(self, layout: Layout) -> list[Refusal]:
@@ -569,6 +640,14 @@ class Planner:
         if v > 1 and pp <= model.n_layer:  # pp alone is checked with the degrees
             out += pipeline_refusals(pp, v, model)
         out += sequence_parallel_refusals(t, layout.sequence_parallel, model)
+        if layout.cp > 1:
+            out += context_parallel_refusals(layout.cp, layout.context_parallel_mode, t, layout.sequence_parallel, model)
+            if sw.context_parallel_modes and layout.context_parallel_mode not in sw.context_parallel_modes:
+                out.append(Refusal(
+                    "profile:option",
+                    f"software profile {sw.name!r} offers context-parallel modes {', '.join(sw.context_parallel_modes)}, "
+                    f"not {layout.context_parallel_mode}; pick one of those.",
+                ))
         per_replica = p.global_batch // d
         mb = layout.micro_batch_size
         if mb < 1 or per_replica % mb:
@@ -625,7 +704,8 @@ class Planner:
         return out
 
     def degrees(self) -> Iterator[tuple[int, int, int]]:
-        """(dp, tp, pp) that no rule refuses (:meth:`degree_refusals`)."""
+        """(dp, tp, pp) at cp=1 that no rule refuses (:meth:`degree_refusals`);
+        :meth:`context_degrees` adds context parallelism."""
         p, model, cluster = self.problem, self.problem.model, self.problem.cluster
         world = cluster.world_size
         tp_limit = world if p.cross_node_tp else cluster.devices_per_node
@@ -636,10 +716,35 @@ class Planner:
                 if (world // t) % pp == 0 and not self.degree_refusals(world // (t * pp), t, pp):
                     yield world // (t * pp), t, pp
 
-    def candidates(self, d: int, t: int, pp: int, fixed: Optional[dict[str, Any]] = None) -> Iterator[Layout]:
-        """The profile's option combinations for (dp, tp, pp), unchecked; ``fixed`` pins fields."""
+    def context_degrees(self) -> Iterator[tuple[int, int, int, int]]:
+        """(dp, tp, pp, cp) with cp > 1 (powers of two dividing world / (tp x pp)) that no rule
+        refuses; a sequence that cannot split into 2 cp equal chunks stops the cp ladder."""
+        p, model, cluster = self.problem, self.problem.model, self.problem.cluster
+        if not p.software.context_parallel_modes:
+            return
+        world = cluster.world_size
+        tp_limit = world if p.cross_node_tp else cluster.devices_per_node
+        for t in range(1, min(tp_limit, world) + 1):
+            if world % t:
+                continue
+            for pp in range(1, min(model.n_layer, world // t) + 1):
+                if (world // t) % pp:
+                    continue
+                cp = 2
+                while (world // (t * pp)) % cp == 0 and model.seq_len % (2 * cp) == 0:
+                    d = world // (t * pp * cp)
+                    if not self.degree_refusals(d, t, pp, cp):
+                        yield d, t, pp, cp
+                    cp *= 2
+
+    def candidates(
+        self, d: int, t: int, pp: int, fixed: Optional[dict[str, Any]] = None, cp: Optional[int] = None
+    ) -> Iterator[Layout]:
+        """The profile's option combinations for (dp, tp, pp, cp), unchecked; ``fixed`` pins fields
+        (``cp`` there, or the argument; default 1)."""
         p, model, sw = self.problem, self.problem.model, self.problem.software
         fixed = fixed or {}
+        cp = int(cp if cp is not None else fixed.get("cp", 1))
         per_replica = p.global_batch // d
 
         def choices(name: str, default: Iterable[Any]) -> list[Any]:
@@ -658,26 +763,39 @@ class Planner:
                 fitting = [v for v in range(2, 9) if pp * v <= model.n_layer and (sw.uneven_stages or model.n_layer % (pp * v) == 0)]
                 pairs += [(s, v) for v in choices("virtual_stages", fitting or ([2] if "schedule" in fixed else []))]
         sps = choices("sequence_parallel", [s for s in sw.sequence_parallel if not s or t > 1])
+        modes = choices("context_parallel_mode", list(sw.context_parallel_modes or CP_MODES) if cp > 1 else ["ring"])
         for mb in sizes:
             for schedule, v in pairs:
                 for zero in choices("zero_stage", sw.zero_stages):
                     for sp in sps:
                         for recompute in choices("recompute", sw.recompute):
                             for offload in choices("offload", ["none"]):
-                                yield Layout(d, t, pp, mb, schedule, v, zero, sp, recompute, offload)
+                                for mode in modes:
+                                    yield Layout(d, t, pp, mb, schedule, v, zero, sp, recompute, offload, cp, mode)
 
-    def options(self, d: int, t: int, pp: int) -> Iterator[Layout]:
-        """The candidates for (dp, tp, pp) that no rule refuses (the degrees are checked by :meth:`degrees`)."""
-        for layout in self.candidates(d, t, pp):
+    def options(self, d: int, t: int, pp: int, cp: int = 1) -> Iterator[Layout]:
+        """The candidates for (dp, tp, pp, cp) that no rule refuses (the degrees are checked by
+        :meth:`degrees` / :meth:`context_degrees`)."""
+        for layout in self.candidates(d, t, pp, cp=cp):
             if not self._option_refusals(layout):
                 yield layout
 
     def search(self) -> list[Estimate]:
-        """Every layout in the space, estimated; offload is tried only where nothing else fits."""
+        """Every layout in the space, estimated; offload is tried only where nothing else fits.
+
+        Context parallelism (cp > 1) is searched for sequences of ``CP_MIN_SEQUENCE`` tokens and
+        more, where attention's s^2 term and the activations make it pay; at shorter sequences
+        only when no cp=1 layout fits (it then trades K/V traffic for activation memory)."""
+        out = self._search([(d, t, pp, 1) for d, t, pp in self.degrees()])
+        if self.problem.model.seq_len >= CP_MIN_SEQUENCE or not any(e.fits for e in out):
+            out += self._search(list(self.context_degrees()))
+        return out
+
+    def _search(self, degrees: list[tuple[int, int, int, int]]) -> list[Estimate]:
         out: list[Estimate] = []
         sw = self.problem.software
-        for d, t, pp in self.degrees():
-            for layout in self.options(d, t, pp):
+        for d, t, pp, cp in degrees:
+            for layout in self.options(d, t, pp, cp):
                 estimate = self.evaluate(layout)
                 out.append(estimate)
                 if estimate.fits or layout.zero_stage == 0:
@@ -698,11 +816,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def rank(estimates: Iterable[Estimate], distinct_degrees: bool = True) -> list[Estimate]:
-    """Feasible layouts, fastest first; with ``distinct_degrees`` only the best per (dp, tp, pp)."""
+    """Feasible layouts, fastest first; with ``distinct_degrees`` only the best per (dp, tp, pp, cp)."""
     feasible = sorted((e for e in estimates if e.fits), key=lambda e: e.step_seconds)
     if not distinct_degrees:
         return feasible
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, int, int, int]] = set()
     out = []
     for e in feasible:
         if e.layout.degrees not in seen:
@@ -721,7 +839,7 @@ def best_completion(planner: Planner, fixed: dict[str, Any]) -> Estimate:
     missing = [key for key in ("dp", "tp", "pp") if key not in fixed]
     if missing:
         raise LayoutRefused([Refusal("planner:layout_needs_degrees", f"--layout needs {', '.join(k + '=' for k in missing)}; got {sorted(fixed)}.")])
-    candidates = list(planner.candidates(fixed["dp"], fixed["tp"], fixed["pp"], fixed))
+    candidates = list(planner.candidates(fixed["dp"], fixed["tp"], fixed["pp"], fixed))  # cp: fixed's, else 1
     reasons = [planner.refusals(layout) for layout in candidates]
     ok = [layout for layout, why in zip(candidates, reasons) if not why]
     if not ok:

@@ -51,10 +51,12 @@ class MicroBatchCost:
     backward: float  # includes recompute
     tp_comm: float
     linear_forward: float = 0.0  # of ``forward``: the GEMMs of the layer's weight matrices alone
+    attention_forward: float = 0.0  # of ``forward``: the attention core (scores and values), what cp splits
+    cp_comm: float = 0.0  # context parallelism's exposed K/V exchange (planner/context_parallel.py)
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.tp_comm
+        return self.forward + self.backward + self.tp_comm + self.cp_comm
 
 
 def p2p_seconds(nbytes: float, gb_per_s: float) -> float:
@@ -72,10 +74,13 @@ def layer_cost(
     flash_attention: bool,
     tp_group: Group,
     nccl: NcclVersion,
+    cp: int = 1,
 ) -> MicroBatchCost:
-    """One transformer layer, one micro-batch, on one device."""
+    """One transformer layer, one micro-batch, on one device. With context parallelism ``cp`` the
+    device holds ``s / cp`` of each sequence's tokens, and each of them still attends over the
+    (causal) full sequence: every term below is ``1 / cp`` of the cp=1 one."""
     device = cluster.device
-    tokens = micro_batch * model.seq_len
+    tokens = micro_batch * model.seq_len / cp
     gemm_rate = device.peak_tflops * 1e12 * device.gemm_efficiency
     hbm_rate = device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY
     gemm_fwd = tokens * model.layer_forward_flops_per_token() / tp / gemm_rate
@@ -86,7 +91,7 @@ def layer_cost(
     scores = 0.0
     if not flash_attention:
         per_score = SCORE_BYTES + (SCORE_DROPOUT_BYTES if model.dropout else 0.0)
-        scores = micro_batch * model.n_head / tp * model.seq_len**2 * per_score
+        scores = micro_batch * model.n_head / tp * model.seq_len**2 / cp * per_score
     elem_fwd = (hidden + ffn + scores) / hbm_rate
 
     recompute_fwd = {"none": 0.0, "full": gemm_fwd + elem_fwd, "selective": scores / hbm_rate}[recompute]
@@ -96,13 +101,15 @@ def layer_cost(
     activation = tokens * model.hidden * 2.0
     tp_comm = collectives * collective_cost("all_reduce", activation, tp_group, nccl).seconds
     linear = gemm_fwd * 2.0 * model.layer_matmul_params / model.layer_forward_flops_per_token()
-    return MicroBatchCost(forward, backward, tp_comm, linear)
+    attention = gemm_fwd * model.attention_forward_flops_per_token() / model.layer_forward_flops_per_token()
+    return MicroBatchCost(forward, backward, tp_comm, linear, attention)
 
 
-def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int) -> float:
-    """The LM head and loss for one micro-batch (forward + backward, never recomputed)."""
+def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int, cp: int = 1) -> float:
+    """The LM head and loss for one micro-batch (forward + backward, never recomputed) on the
+    ``s / cp`` tokens this device holds."""
     device = cluster.device
-    tokens = micro_batch * model.seq_len
+    tokens = micro_batch * model.seq_len / cp
     gemm = 3.0 * tokens * model.head_forward_flops_per_token() / tp / (device.peak_tflops * 1e12 * device.gemm_efficiency)
     # softmax cross-entropy over fp32 logits: read/write them in forward and backward
     elem = 4.0 * tokens * model.vocab / tp * 4.0 / (device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY)
