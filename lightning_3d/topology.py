@@ -149,6 +149,7 @@ class Topology:
     def __init__(self, dims: ParallelDims, mesh: DeviceMesh) -> None:
         self.dims = dims
         self.mesh = mesh
+        self.replica_mesh = mesh["dp", "cp"]._flatten(REPLICA_DIM)  # kept: slicing a flattened dim is deprecated
         self.rank = dist.get_rank()
         self.coords = dims.coordinates(self.rank)
 
@@ -157,11 +158,10 @@ class Topology:
         """Create the mesh over the already initialized default process group (collective on all ranks)."""
         dims = dims.resolve(dist.get_world_size())
         mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
-        mesh["dp", "cp"]._flatten(REPLICA_DIM)
         return cls(dims, mesh)
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        return self.mesh.get_group(dim)
+        return self.replica_mesh.get_group() if dim == REPLICA_DIM else self.mesh.get_group(dim)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -172,7 +172,7 @@ class Topology:
     @property
     def dp_mesh(self) -> DeviceMesh:
         """The 1-D mesh of :attr:`dp_group` (FSDP2 shards over it)."""
-        return self.mesh[REPLICA_DIM]
+        return self.replica_mesh
 
     @property
     def cp_group(self) -> dist.ProcessGroup:

@@ -89,6 +89,23 @@ def _error_message(fn: Callable[[], Any]) -> str:
     return "no error"
 
 
+def gather_errors(group: Any) -> dict[str, float]:
+    """``ContextParallel.gather`` (logits back to the full sequence) and its backward against the
+    unsharded tensor: a loss of the gathered full sequence, different on every rank, must give each
+    rank the sum over ranks of the gradients of the tokens it holds."""
+    from lightning_3d.context_parallel.apply import ContextParallel
+
+    cp_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    cp = ContextParallel(group, cp_size, rank)
+    full = torch.randn(B, T, 5, generator=torch.Generator().manual_seed(1))
+    weights = [torch.randn(B, T, 5, generator=torch.Generator().manual_seed(10 + r)) for r in range(cp_size)]
+    local = shard_sequence(full, 1, rank, cp_size).requires_grad_(True)
+    gathered = cp.gather(local)
+    (gathered * weights[rank]).sum().backward()
+    expected_grad = shard_sequence(sum(weights), 1, rank, cp_size)
+    return {"out": _rel(gathered.detach(), full), "grad": _rel(local.grad, expected_grad)}
+
+
 def world() -> dict[str, Any]:
     torch.manual_seed(0)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
@@ -104,6 +121,7 @@ def world() -> dict[str, Any]:
     checks["ring_autocast"] = lambda: autocast_errors(dist.group.WORLD)
     odd = torch.randn(B, HEADS, 3, D)
     checks["ring_odd_error"] = lambda: _error_message(lambda: ring_attention(odd, odd, odd, dist.group.WORLD))
+    checks["gather"] = lambda: gather_errors(dist.group.WORLD)
     return run_checks(checks)
 
 
@@ -134,6 +152,12 @@ def test_clear_errors(cp_world):
     for results in cp_world:
         assert "heads=6 is not divisible by cp=4" in result_of(results, "a2a_heads_error")
         assert "local sequence length 3 is odd" in result_of(results, "ring_odd_error")
+
+
+def test_gathered_sequence_and_its_gradient(cp_world):
+    for rank, results in enumerate(cp_world):
+        errors = result_of(results, "gather")
+        assert errors["out"] == 0.0 and errors["grad"] <= 1e-6, f"rank {rank}: {errors}"
 
 
 # -- layout, in this process -------------------------------------------------------------------------------------

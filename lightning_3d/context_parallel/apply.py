@@ -34,6 +34,7 @@ from lightning_3d.context_parallel.layout import check_divisible, local_position
 from lightning_3d.context_parallel.ring import ring_attention
 from lightning_3d.context_parallel.ulysses import all_to_all_attention
 from lightning_3d.pipeline.sequences import LayerSequence
+from lightning_3d.tensor_parallel.mappings import gather_along, reduce_scatter_along
 
 MODES = ("ring", "all_to_all")
 
@@ -98,18 +99,14 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, cp: ContextParallel) -> Tensor:
         ctx.cp = cp
-        local = x.contiguous()
-        stacked = torch.empty((cp.size, *local.shape), dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(stacked, local, group=cp.group)
-        return unshard_sequence(list(stacked.unbind(0)), 1, cp.size)
+        by_rank = gather_along(x, 1, cp.group)  # the local parts side by side, in cp-rank order
+        return unshard_sequence(list(by_rank.chunk(cp.size, dim=1)), 1, cp.size)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         cp: ContextParallel = ctx.cp
-        parts = torch.stack([shard_sequence(grad, 1, r, cp.size) for r in range(cp.size)]).contiguous()
-        out = torch.empty(parts.shape[1:], dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, parts, group=cp.group)
-        return out, None
+        by_rank = torch.cat([shard_sequence(grad, 1, r, cp.size) for r in range(cp.size)], dim=1)
+        return reduce_scatter_along(by_rank, 1, cp.group), None
 
 
 def _sequence_length(args: tuple, kwargs: dict) -> Optional[int]:
