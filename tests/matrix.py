@@ -40,7 +40,7 @@ from tests.helpers import LossRecorder, quiet_trainer
 
 # -- the factors -----------------------------------------------------------------------------------
 FACTORS: dict[str, tuple[Any, ...]] = {
-    "layout": ("dp2", "tp2", "pp2", "dp2-tp2", "dp2-pp2", "tp2-pp2-v2", "dp2-tp2-pp2"),
+    "layout": ("dp2", "tp2", "pp2", "dp2-tp2", "dp2-pp2", "tp2-pp2-v2", "dp2-tp2-pp2", "cp2", "dp2-cp2", "cp2-tp2", "cp2-pp2"),
     "zero": (0, 1, 2, 3),
     "precision": ("32-true", "bf16-mixed", "16-mixed"),
     "accumulate": (1, 2),
@@ -56,7 +56,8 @@ FACTORS: dict[str, tuple[Any, ...]] = {
 }
 CORE = ("layout", "zero", "precision", "accumulate")  # crossed in full by make test-matrix
 
-# (dp, tp, pp) and pipeline settings; each layout's world size is dp * tp * pp.
+# (dp, tp, pp, cp) and pipeline / context-parallel settings; each layout's world size is dp * tp * pp * cp.
+# The cp layouts alternate the two context-parallel modes.
 LAYOUTS: dict[str, dict[str, Any]] = {
     "one": dict(data_parallel=1),
     "dp2": dict(data_parallel=2),
@@ -69,6 +70,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2-v2": dict(data_parallel=1, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=8),
     "tp4": dict(data_parallel=1, tensor_parallel=4),
     "dp2-tp4": dict(data_parallel=2, tensor_parallel=4),
+    "cp2": dict(data_parallel=1, context_parallel=2),
+    "dp2-cp2": dict(data_parallel=2, context_parallel=2, context_parallel_mode="all_to_all"),
+    "cp2-tp2": dict(data_parallel=1, context_parallel=2, tensor_parallel=2),
+    "cp2-pp2": dict(data_parallel=1, context_parallel=2, context_parallel_mode="all_to_all", pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=4),
 }
 # A resumed cell continues under another layout of the same world size (the first that its ZeRO
 # stage allows): the checkpoint must reshard. Every data-parallel size here divides the sample
@@ -76,6 +81,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 PARTNERS: dict[str, tuple[str, ...]] = {
     "dp2": ("tp2", "pp2"), "tp2": ("pp2", "dp2"), "pp2": ("dp2", "tp2"),
     "dp2-tp2": ("tp2-pp2-v2", "tp4"), "dp2-pp2": ("dp2-tp2",), "tp2-pp2-v2": ("dp2-tp2",), "dp2-tp2-pp2": ("dp2-tp4",),
+    "cp2": ("dp2", "tp2"), "dp2-cp2": ("cp2-tp2", "dp2-tp2"), "cp2-tp2": ("dp2-cp2", "tp4"), "cp2-pp2": ("dp2-cp2", "dp2-tp2"),
 }
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32)
@@ -124,7 +130,7 @@ class Cell:
 
 def world_of(layout: str) -> int:
     spec = LAYOUTS[layout]
-    return spec["data_parallel"] * spec.get("tensor_parallel", 1) * spec.get("pipeline_parallel", 1)
+    return spec["data_parallel"] * spec.get("tensor_parallel", 1) * spec.get("pipeline_parallel", 1) * spec.get("context_parallel", 1)
 
 
 # -- what the strategy refuses (the order is the order its checks run in) ----------------------------

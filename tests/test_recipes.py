@@ -25,10 +25,11 @@ FULL = {
     "llama3_70b": {"dp": 64, "tp": 8, "pp": 1},
 }
 TINY = {
-    "bloom_176b_tiny": {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1},
-    "mt_nlg_530b_tiny": {"dp": 1, "tp": 2, "pp": 4, "zero_stage": 1},
-    "gpt3_175b_tiny": {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1},
-    "llama3_70b_tiny": {"dp": 4, "tp": 2, "pp": 1, "zero_stage": 1},
+    "bloom_176b_tiny": {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "zero_stage": 1},
+    "mt_nlg_530b_tiny": {"dp": 1, "tp": 2, "pp": 4, "cp": 1, "zero_stage": 1},
+    "gpt3_175b_tiny": {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "zero_stage": 1},
+    "llama3_70b_tiny": {"dp": 4, "tp": 2, "pp": 1, "cp": 1, "zero_stage": 1},
+    "long_context_tiny": {"dp": 2, "tp": 1, "pp": 1, "cp": 4, "zero_stage": 1},
 }
 SHORT_RUN = [
     "trainer.max_steps=2",
