@@ -326,6 +326,7 @@ class Planner:
         self.problem = problem
         self.c, self.k = PRECISIONS[problem.precision]
         self._layer_cost = functools.lru_cache(maxsize=None)(self._layer_cost_uncached)
+        self._cp_cost = functools.lru_cache(maxsize=None)(self._cp_cost_uncached)
         self._degree_cache: dict[tuple[int, int, int, int], list[Refusal]] = {}
 
     # -- bandwidths --------------------------------------------------------------------------
@@ -367,13 +368,15 @@ class Planner:
         if p.software.tp_comm_overlap:  # chunked GEMMs hide the collectives they are longer than
             cost = replace(cost, tp_comm=max(0.0, cost.tp_comm - cost.forward - cost.backward))
         if cp > 1:
-            cost = replace(cost, cp_comm=self._cp_cost(mb, tp, recompute, cp, mode, cost.attention_forward).exposed)
+            cost = replace(cost, cp_comm=self._cp_cost(mb, tp, recompute, cp, mode).exposed)
         return cost
 
-    def _cp_cost(self, mb: int, tp: int, recompute: str, cp: int, mode: str, attention_forward: float) -> ContextParallelCost:
+    def _cp_cost_uncached(self, mb: int, tp: int, recompute: str, cp: int, mode: str) -> ContextParallelCost:
         """One layer's context-parallel exchange per micro-batch over the cp group: ``cp`` ranks
         ``tp`` apart (rank order pp, dp, cp, tp), inside a node while cp x tp fits in one."""
-        p, model, cluster = self.problem, self.problem.model, self.problem.cluster
+        model, cluster = self.problem.model, self.problem.cluster
+        # this rank's attention-core forward (a ring block is 1 / cp of it); sp and recompute do not change it
+        attention_forward = self._layer_cost(mb, tp, False, "none").attention_forward / cp
         return layer_cp_cost(
             mode=mode, cp=cp, tp=tp, micro_batch=mb, seq_len=model.seq_len, n_head=model.n_head,
             n_kv_head=model.n_kv_head, head_dim=model.head_dim, c=self.c, attention_forward=attention_forward,
@@ -506,7 +509,7 @@ class Planner:
         }
         comm = {"dp": dp_time.to_dict()}
         if cp > 1:
-            cp_cost = self._cp_cost(mb, t, layout.recompute, cp, layout.context_parallel_mode, cost.attention_forward)
+            cp_cost = self._cp_cost(mb, t, layout.recompute, cp, layout.context_parallel_mode)
             cp_nodes = _nodes_spanned(t, cp, cluster.devices_per_node)
             comm["cp"] = {
                 "ranks": cp, "stride": t, "nodes": cp_nodes,
