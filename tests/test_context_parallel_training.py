@@ -97,6 +97,25 @@ def run_cases(cases: list[tuple[str, str, str]]) -> dict[str, Any]:
     return run_checks(checks)
 
 
+class HFLlama(L.LightningModule):
+    """A Hugging Face Llama (its attention and label shift live inside transformers)."""
+
+    def configure_model(self) -> None:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        )
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 def refusals() -> dict[str, Any]:
     """What a 2-rank cp world refuses, each before the first step."""
 
@@ -115,6 +134,7 @@ def refusals() -> dict[str, Any]:
         "dropout": refused(lambda: fit(MaskedGPT(GPTConfig(**GPT2, dropout=0.1)), context_parallel=2)),
         "length": refused(lambda: fit(MaskedGPT(GPTConfig(**GPT2)), block_size=30, context_parallel=2)),
         "heads": refused(lambda: fit(MaskedGPT(GPTConfig(**dict(GPT2, n_head=1, n_embd=32))), context_parallel=2, context_parallel_mode="all_to_all")),
+        "hf": refused(lambda: fit(HFLlama(), context_parallel=2)),
     }
 
 
@@ -184,6 +204,7 @@ def test_saved_activations_per_rank_at_cp4_are_a_quarter(mode, four, reference):
         ("dropout", r"GPTConfig.dropout=0.1 applies dropout to attention.*set dropout=0.0"),
         ("length", r"sequence length 30 is not divisible by 2 \* cp = 4"),
         ("heads", r"context_parallel_mode='all_to_all' shards attention heads over context_parallel=2.*'ring'"),
+        ("hf", r"context_parallel=2: the 'llama' model family has no context-parallel wiring.*context_parallel=1"),
     ],
 )
 def test_what_context_parallel_cannot_run_is_refused(name, message, two):
