@@ -283,3 +283,48 @@ def test_strategy_refuses_at_setup_with_the_shared_rules():
     message = run_on_ranks(refused_at_setup, 2, timeout=300)[0]
     assert "model 'model': GPTConfig.n_head=1 is not divisible by tensor_parallel=2" in message
     assert "GPTConfig.n_kv_head=1 is not divisible by tensor_parallel=2" in message
+
+
+# -- context parallelism -----------------------------------------------------------------------------------------
+def _shape(**kw):
+    from lightning_3d.layout_rules import ModelDims
+
+    return ModelDims(**{**dict(n_layer=4, hidden=64, n_head=8, n_kv_head=2, ffn=128, seq_len=1024), **kw})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "model", "rule"),
+    [
+        (dict(cp=4, context_parallel_mode="all_to_all", tp=4), {}, "all_to_all_divides_heads"),  # 8/4 = 2 heads per tp rank
+        (dict(cp=3), dict(seq_len=1026), "context_parallel_divides_sequence"),  # 1026 % 6 == 0, but cp=3 makes world 3
+        (dict(cp=4), dict(seq_len=1020), "context_parallel_divides_sequence"),
+        (dict(cp=2, tp=4, sequence_parallel=True), dict(seq_len=1028), "context_parallel_divides_sequence"),
+    ],
+)
+def test_context_parallel_rules(kwargs, model, rule):
+    from lightning_3d.layout_rules import layout_refusals
+
+    found = [r.rule for r in layout_refusals(model=_shape(**model), **kwargs)]
+    if kwargs.get("cp") == 3:
+        assert rule not in found  # 1026 splits into 6 chunks of 171
+    else:
+        assert rule in found, found
+
+
+def test_context_parallel_accepts_what_it_can_run_and_counts_it_in_the_world():
+    from lightning_3d.layout_rules import layout_refusals
+
+    assert layout_refusals(model=_shape(), cp=4, tp=2, sequence_parallel=True, context_parallel_mode="all_to_all") == []
+    assert layout_refusals(cp=4, tp=2, world_size=16) == []
+    refused = layout_refusals(cp=4, tp=2, dp=4, world_size=16)
+    assert [r.rule for r in refused] == ["world_size"] and "context_parallel=4" in refused[0].message
+
+
+def test_context_parallel_mode_is_validated_with_aliases():
+    from lightning_3d.config import ParallelConfig
+
+    assert ParallelConfig(context_parallel=2, context_parallel_mode="ulysses").context_parallel_mode == "all_to_all"
+    with pytest.raises(ValueError, match=r"context_parallel_mode='bogus' is not supported; choose one of 'ring', 'all_to_all'"):
+        ParallelConfig(context_parallel=2, context_parallel_mode="bogus")
+    with pytest.raises(ValueError, match=r"context_parallel=0 is invalid"):
+        ParallelConfig(context_parallel=0)

@@ -24,6 +24,13 @@ from lightning_3d.topology import Coordinates, ParallelDims
         (ParallelDims(dp=16, tp=4, pp=16), 67, Coordinates(pp=1, dp=0, tp=3)),
         (ParallelDims(dp=16, tp=4, pp=16), 1023, Coordinates(pp=15, dp=15, tp=3)),
         (ParallelDims(dp=16, tp=4, pp=16), 517, Coordinates(pp=8, dp=1, tp=1)),
+        # 16 ranks dp2 x cp2 x tp2 x pp2: cp between dp and tp.
+        (ParallelDims(dp=2, tp=2, pp=2, cp=2), 1, Coordinates(pp=0, dp=0, tp=1, cp=0)),
+        (ParallelDims(dp=2, tp=2, pp=2, cp=2), 2, Coordinates(pp=0, dp=0, tp=0, cp=1)),
+        (ParallelDims(dp=2, tp=2, pp=2, cp=2), 4, Coordinates(pp=0, dp=1, tp=0, cp=0)),
+        (ParallelDims(dp=2, tp=2, pp=2, cp=2), 15, Coordinates(pp=1, dp=1, tp=1, cp=1)),
+        # Llama 3 405B at 128K: tp8 x cp16 x pp16 x dp8 = 16,384 ranks.
+        (ParallelDims(dp=8, tp=8, pp=16, cp=16), (1 * 16 + 3) * 8 + 5, Coordinates(pp=0, dp=1, tp=5, cp=3)),
     ],
 )
 def test_rank_to_coordinates(dims, rank, expected):
@@ -31,17 +38,33 @@ def test_rank_to_coordinates(dims, rank, expected):
     assert dims.rank_of(expected) == rank
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 2), ParallelDims(2, 8, 4), ParallelDims(16, 4, 16)])
+@pytest.mark.parametrize(
+    "dims", [ParallelDims(2, 2, 2), ParallelDims(2, 8, 4), ParallelDims(16, 4, 16), ParallelDims(2, 2, 2, cp=4)]
+)
 def test_mapping_is_a_bijection_and_groups_partition_the_world(dims):
     world = dims.world_size
     coords = [dims.coordinates(r) for r in range(world)]
     assert len(set(coords)) == world
-    for dim in ("pp", "dp", "tp"):
+    for dim in ("pp", "dp", "cp", "tp"):
         groups = {tuple(dims.group_ranks(dim, r)) for r in range(world)}
         members = sorted(r for g in groups for r in g)
         assert members == list(range(world)), dim  # every rank in exactly one group of each kind
-        size = {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp}[dim]
+        size = {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp}[dim]
         assert all(len(g) == size for g in groups)
+
+
+def test_context_parallel_groups_are_strided_by_tp_and_share_a_node_when_cp_x_tp_fits():
+    dims = ParallelDims(dp=2, tp=2, pp=1, cp=4)
+    assert dims.group_ranks("cp", 5) == [1, 3, 5, 7]
+    assert dims.group_ranks("dp", 5) == [5, 13]
+    assert dims.group_ranks("tp", 5) == [4, 5]
+    assert {r // 8 for r in dims.group_ranks("cp", 5)} == {0}  # cp x tp = 8 = one node of 8
+
+
+def test_auto_data_parallel_leaves_room_for_context_parallel():
+    assert ParallelDims(dp="auto", tp=2, pp=1, cp=2).resolve(16) == ParallelDims(dp=4, tp=2, pp=1, cp=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel=2 x pipeline_parallel=1 x context_parallel=3 = 6 does not divide"):
+        ParallelDims(dp="auto", tp=2, pp=1, cp=3).resolve(16)
 
 
 def test_groups_follow_the_layout():
