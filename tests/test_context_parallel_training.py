@@ -42,11 +42,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 FOUR = [k for k in LAYOUTS if k != "cp2"]
 MODES = ("ring", "all_to_all")
-# make test: the Llama-style model in both modes on every layout, the GPT-2-style one alternating modes
-# (the full cross is in test_every_model_mode_and_layout, under make test-matrix).
-CASES = [("llama", layout, mode) for layout in LAYOUTS for mode in MODES] + [
-    ("gpt2", layout, MODES[i % 2]) for i, layout in enumerate(LAYOUTS)
-] + [("gpt2", "cp2", "all_to_all")]
+# make test: the Llama-style model in both modes on every layout; the GPT-2-style one on cp4 in both modes
+# and dp2 x cp2 ZeRO-3 (its other layouts, cp2 / dp2-cp2 / cp2-tp2 / cp2-pp2, run in the composition
+# matrix with masked targets, recompute, precisions, resume ...). `make test-slow` adds the rest of the cross.
+EVERY = [(model, layout, mode) for model in MODELS for layout in LAYOUTS for mode in MODES]
+CASES = [c for c in EVERY if c[0] == "llama" or c[1] == "cp4" or c[1:] == ("dp2-cp2-zero3", "ring")]
+SLOW = [c for c in EVERY if c not in CASES]
 
 
 class MaskedGPT(GPTModule):
@@ -188,6 +189,16 @@ def test_four_rank_layouts_match_one_process(case, four, reference):
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] == "cp2"], ids=lambda c: case_id(*c))
 def test_cp2_matches_one_process(case, two, reference):
     check_case(case, two, reference)
+
+
+@pytest.mark.slow
+def test_every_model_mode_and_layout_matches_one_process(reference):
+    """The rest of the cross (models x modes x layouts), under make test-slow."""
+    by_world = {2: [c for c in SLOW if c[1] == "cp2"], 4: [c for c in SLOW if c[1] != "cp2"]}
+    for world, cases in by_world.items():
+        per_rank = run_on_ranks(run_cases, world, cases, timeout=900)
+        for case in cases:
+            check_case(case, per_rank, reference)
 
 
 @pytest.mark.parametrize("mode", MODES)
