@@ -709,6 +709,13 @@ class Planner:
     def degrees(self) -> Iterator[tuple[int, int, int]]:
         """(dp, tp, pp) at cp=1 that no rule refuses (:meth:`degree_refusals`);
         :meth:`context_degrees` adds context parallelism."""
+        world = self.problem.cluster.world_size
+        for t, pp in self._model_parallel_pairs():
+            if not self.degree_refusals(world // (t * pp), t, pp):
+                yield world // (t * pp), t, pp
+
+    def _model_parallel_pairs(self) -> Iterator[tuple[int, int]]:
+        """(tp, pp) pairs whose product divides the world, tp within a node unless cross-node tp is allowed."""
         p, model, cluster = self.problem, self.problem.model, self.problem.cluster
         world = cluster.world_size
         tp_limit = world if p.cross_node_tp else cluster.devices_per_node
@@ -716,29 +723,23 @@ class Planner:
             if world % t:
                 continue
             for pp in range(1, min(model.n_layer, world // t) + 1):
-                if (world // t) % pp == 0 and not self.degree_refusals(world // (t * pp), t, pp):
-                    yield world // (t * pp), t, pp
+                if (world // t) % pp == 0:
+                    yield t, pp
 
     def context_degrees(self) -> Iterator[tuple[int, int, int, int]]:
         """(dp, tp, pp, cp) with cp > 1 (powers of two dividing world / (tp x pp)) that no rule
         refuses; a sequence that cannot split into 2 cp equal chunks stops the cp ladder."""
-        p, model, cluster = self.problem, self.problem.model, self.problem.cluster
+        p, model = self.problem, self.problem.model
         if not p.software.context_parallel_modes:
             return
-        world = cluster.world_size
-        tp_limit = world if p.cross_node_tp else cluster.devices_per_node
-        for t in range(1, min(tp_limit, world) + 1):
-            if world % t:
-                continue
-            for pp in range(1, min(model.n_layer, world // t) + 1):
-                if (world // t) % pp:
-                    continue
-                cp = 2
-                while (world // (t * pp)) % cp == 0 and model.seq_len % (2 * cp) == 0:
-                    d = world // (t * pp * cp)
-                    if not self.degree_refusals(d, t, pp, cp):
-                        yield d, t, pp, cp
-                    cp *= 2
+        world = p.cluster.world_size
+        for t, pp in self._model_parallel_pairs():
+            cp = 2
+            while (world // (t * pp)) % cp == 0 and model.seq_len % (2 * cp) == 0:
+                d = world // (t * pp * cp)
+                if not self.degree_refusals(d, t, pp, cp):
+                    yield d, t, pp, cp
+                cp *= 2
 
     def candidates(
         self, d: int, t: int, pp: int, fixed: Optional[dict[str, Any]] = None, cp: Optional[int] = None
