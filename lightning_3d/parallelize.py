@@ -32,7 +32,12 @@ from lightning_3d import rank_zero
 from lightning_3d.activation_checkpointing import attention_of, check_mode, checkpoint_blocks
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.config import ParallelConfig
-from lightning_3d.context_parallel.apply import ContextParallel, apply_context_parallel, shard_inputs
+from lightning_3d.context_parallel.apply import (
+    ContextParallel,
+    apply_context_parallel,
+    remove_context_parallel,
+    shard_inputs,
+)
 from lightning_3d.loss_normalization import normalize_over_data_parallel
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
@@ -85,6 +90,7 @@ def parallelize(
     """
     # the layout rules the planner uses too, on the models' shapes: every reason at once, before any sharding
     config.check_models(models_in(module), tensor_parallel_plan=tensor_parallel_plan is None)
+    remove_context_parallel(module)  # an earlier set-up's (validate before fit): rebuilt below, in order
     if config.tensor_parallel > 1:
         apply_tensor_parallel(module, topology, config, rng_tracker, tensor_parallel_plan)
     cp = context_parallel_of(topology, config)

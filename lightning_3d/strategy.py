@@ -461,7 +461,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         return out
 
     def _point_metrics_at_dp_group(self) -> None:
-        """torchmetrics sync over the world by default; tp/pp peers hold copies of the same samples."""
+        """torchmetrics sync over the world by default; tp/pp/cp peers hold copies of the same samples
+        (the step code sees whole sequences; only the model's forward splits them over cp)."""
         try:
             from torchmetrics import Metric
         except ImportError:  # pragma: no cover - torchmetrics is a dependency
@@ -469,7 +470,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         assert self.model is not None
         for module in self.model.modules():
             if isinstance(module, Metric) and module.process_group is None:
-                module.process_group = self.topology.dp_group
+                module.process_group = self.topology.sample_group
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -497,22 +498,27 @@ class ThreeDParallelStrategy(ParallelStrategy):
         return self._zero.reducer if self._zero is not None else None
 
     # -- collectives: logging and metrics reduce over the data-parallel group ------------------
-    def _default_group(self, group: Optional[Any]) -> Optional[Any]:
+    def _default_group(self, group: Optional[Any], per_sample: bool = False) -> Optional[Any]:
+        """dp x cp (every rank holding the same weights: a cp rank's training loss is its tokens'
+        share, whose mean over dp x cp is the batch's), or dp alone for per-sample values (sums,
+        gathers: cp peers hold copies of the same samples). At cp=1 both are the dp group."""
         if group is not None or self._topology is None:
             return group
-        return self._topology.dp_group
+        return self._topology.sample_group if per_sample else self._topology.dp_group
 
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
-        """Reduce over the data-parallel group (tp and pp peers already agree)."""
+        """Reduce over the data-parallel group (tp and pp peers already agree); sums over dp only,
+        means over dp x cp (see :meth:`_default_group`)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, self._default_group(group), reduce_op=reduce_op)
+            summed = str(reduce_op).lower().endswith("sum")  # "sum", ReduceOp.SUM
+            return _sync_ddp_if_available(tensor, self._default_group(group, per_sample=summed), reduce_op=reduce_op)
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather from every data-parallel replica (one copy of each sample)."""
-        return super().all_gather(tensor, group=self._default_group(group), sync_grads=sync_grads)
+        return super().all_gather(tensor, group=self._default_group(group, per_sample=True), sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Decisions (early stopping, checkpointing) are agreed by the whole world."""

@@ -245,6 +245,16 @@ class Topology:
         """Global rank of tp-rank 0 in this rank's tp group (the source of tensor-parallel replicas)."""
         return self.dims.rank_of(self.coords._replace(tp=0))
 
+    def cp_source_rank(self) -> int:
+        """Global rank of cp-rank 0 in this rank's cp group."""
+        return self.dims.rank_of(self.coords._replace(cp=0))
+
+    @property
+    def sample_group(self) -> dist.ProcessGroup:
+        """The ranks that hold different samples (dp alone: cp peers hold chunks of the same
+        samples): where per-sample values are gathered or summed (``all_gather``, metrics)."""
+        return self.group("dp")
+
     def first_stage_rank(self) -> int:
         """Global rank of the first pipeline stage at this rank's (dp, tp) position."""
         return self.dims.rank_of(self.coords._replace(pp=0))

@@ -11,6 +11,7 @@ run is refused before step 1, naming the fix.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -67,8 +68,9 @@ class MaskedGPT(GPTModule):
         return []
 
 
-def train(model_name: str, probe_memory: bool = False, **strategy: Any) -> dict[str, Any]:
-    """10 masked-target steps at a global batch of 8, then the validation loss and the logits of PROBE."""
+def train(model_name: str, probe_memory: bool = False, validate_first: bool = False, **strategy: Any) -> dict[str, Any]:
+    """10 masked-target steps at a global batch of 8, then the validation loss and the logits of PROBE.
+    ``validate_first``: a ``trainer.validate`` before ``fit`` (set-up runs twice on the same model)."""
     L.seed_everything(0)
     recorder, probe = LossRecorder(), MemoryProbe(step=1)
     model = MaskedGPT(GPTConfig(**MODELS[model_name]), lr=1e-2, warmup_steps=2)
@@ -76,7 +78,11 @@ def train(model_name: str, probe_memory: bool = False, **strategy: Any) -> dict[
         max_steps=STEPS, limit_val_batches=2, val_check_interval=STEPS, gradient_clip_val=0.5,
         callbacks=[recorder] + ([probe] if probe_memory else []), strategy=ThreeDParallelStrategy(timeout=120, **strategy),
     )
-    trainer.fit(model, tiny_data(global_batch_size=8))
+    data = tiny_data(global_batch_size=8)
+    if validate_first:
+        trainer.validate(model, data, verbose=False)
+        L.seed_everything(0)
+    trainer.fit(model, data)
     model.eval()
     with torch.no_grad():
         logits = model(PROBE)
@@ -139,8 +145,35 @@ def refusals() -> dict[str, Any]:
     }
 
 
+class SeededPerRank(L.Callback):
+    """Records the default generator's state at the first step, and what the strategy's reductions give."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = torch.get_rng_state().tolist()
+        strategy = trainer.strategy
+        self.summed = float(strategy.reduce(torch.tensor(1.0), reduce_op="sum"))  # one replica's samples: 1
+        self.mean = float(strategy.reduce(torch.tensor(float(trainer.global_rank)), reduce_op="mean"))
+        self.gathered = strategy.all_gather(torch.tensor([7.0])).shape[0]
+
+
+def groups_and_random_state() -> dict[str, Any]:
+    """cp peers agree on the default generator (they must load the same samples) even when seeded
+    apart; per-sample sums and gathers count a sample once, means span dp x cp."""
+    os.environ.pop("PL_GLOBAL_SEED", None)  # else the strategy's set-up re-seeds every rank alike (seed_everything)
+    torch.manual_seed(100 + torch.distributed.get_rank())  # seeded apart, before the strategy's set-up
+    seeded = SeededPerRank()
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[seeded], strategy=ThreeDParallelStrategy(context_parallel=2))
+    trainer.fit(MaskedGPT(GPTConfig(**GPT2)), tiny_data(global_batch_size=8))
+    return {"state": seeded.state, "summed": seeded.summed, "mean": seeded.mean, "gathered": seeded.gathered}
+
+
 def two_rank_world() -> dict[str, Any]:
-    return {**run_cases([c for c in CASES if c[1] == "cp2"]), "refusals": run_checks({"refusals": refusals})["refusals"]}
+    return {
+        **run_cases([c for c in CASES if c[1] == "cp2"]),
+        "validate_then_fit": run_checks({"v": lambda: train("llama", validate_first=True, context_parallel=2)})["v"],
+        "refusals": run_checks({"refusals": refusals})["refusals"],
+        "groups": run_checks({"groups": groups_and_random_state})["groups"],
+    }
 
 
 def references() -> dict[str, Any]:
@@ -189,6 +222,20 @@ def test_four_rank_layouts_match_one_process(case, four, reference):
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] == "cp2"], ids=lambda c: case_id(*c))
 def test_cp2_matches_one_process(case, two, reference):
     check_case(case, two, reference)
+
+
+def test_validate_before_fit_trains_like_one_process(two, reference):
+    """A second set-up rebuilds the wrappers in order (the loss normalization inside the input split)."""
+    ours = np.mean(np.array([result_of(r, "validate_then_fit")["losses"] for r in two]), axis=0)
+    np.testing.assert_allclose(ours, result_of(reference, "llama")["losses"], rtol=RTOL)
+
+
+def test_cp_peers_share_the_random_state_and_count_each_sample_once(two):
+    outcomes = [result_of(r, "groups") for r in two]
+    assert outcomes[0]["state"] == outcomes[1]["state"]
+    for o in outcomes:
+        assert o["summed"] == 1.0 and o["gathered"] == 1  # dp=1: one copy of each sample
+        assert o["mean"] == 0.5  # ranks 0 and 1: the mean spans dp x cp
 
 
 @pytest.mark.slow

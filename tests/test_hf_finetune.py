@@ -267,7 +267,7 @@ def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path,
         tmp_path,
     )
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["layout"] == {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0} and summary["steps"] == 3
+    assert summary["layout"] == {"dp": 1, "tp": 2, "pp": 1, "cp": 1, "zero_stage": 0} and summary["steps"] == 3
     assert np.isfinite(summary["train_loss"]) and summary["train_loss"] < 6.0  # ln(256) = 5.55 for a fresh model
     out = tmp_path / "exported"
     capsys.readouterr()

@@ -78,14 +78,14 @@ def test_torchrun_two_nodes_of_two(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "layout"),
     [
-        pytest.param(["parallel=dp", "cluster.devices_per_node=2"], {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0}, marks=pytest.mark.slow),
+        pytest.param(["parallel=dp", "cluster.devices_per_node=2"], {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "zero_stage": 0}, marks=pytest.mark.slow),
         (
             ["parallel=dp", "cluster.devices_per_node=2", "parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
-            {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0},
+            {"dp": 1, "tp": 2, "pp": 1, "cp": 1, "zero_stage": 0},
         ),
         # the default (3D on 8 CPU processes; bloom_176b_tiny runs the same layout in `make test`) and
         # plain dp2 (the multirun test runs it) are in `make test-slow`
-        pytest.param([], {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1}, marks=pytest.mark.slow),
+        pytest.param([], {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "zero_stage": 1}, marks=pytest.mark.slow),
     ],
     ids=["dp2", "tp2-sp", "default-3d"],
 )

@@ -104,4 +104,4 @@ def test_recipe_on_two_ranks_logs_each_line_once_and_reports_mfu(tmp_path: Path)
     planner = problem_from_config(cfg).model.step_flops(1, 0.0) / cfg.model.block_size
     assert summary["flops_per_token"] == pytest.approx(planner, rel=0.01)
     assert summary["tflops_per_device"] > 0 and 0 < summary["mfu"] < 1
-    assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 2, "zero_stage": 1}
+    assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 2, "cp": 1, "zero_stage": 1}

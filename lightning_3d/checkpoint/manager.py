@@ -102,6 +102,12 @@ def rank_meta(reader: ShardedCheckpoint, checkpoint: dict[str, Any], same_layout
     )
 
 
+def is_same_layout(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether a checkpoint's layout is this job's (same ranks, same roles); a layout saved before
+    context parallelism existed has no ``"cp"``: it was 1."""
+    return {"cp": 1, **saved} == current
+
+
 class ShardedCheckpointer:
     def __init__(self, topology: Topology, tracker: Any = None, async_save: bool = False, keep_last_k: Optional[int] = None) -> None:
         check_keep_last_k(keep_last_k)
@@ -198,7 +204,7 @@ class ShardedCheckpointer:
         checkpoint["state_dict"] = LazyDense(reader, "model")
         groups = checkpoint.pop("optimizer_param_groups", [])
         checkpoint["optimizer_states"] = [{"state": LazyOptimizerState(reader, i), "param_groups": g} for i, g in enumerate(groups)]
-        same_layout = reader.manifest["layout"] == layout
+        same_layout = is_same_layout(reader.manifest["layout"], layout)
         checkpoint.update(rank_meta(reader, checkpoint, same_layout, layout))
         if same_layout:  # same ranks, same roles: resume their random streams too
             self._restore_rng(reader)

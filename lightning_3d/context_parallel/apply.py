@@ -124,10 +124,11 @@ def _combined_eval_loss(loss: Tensor, count: int, cp: ContextParallel) -> Tensor
 
 
 def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel) -> None:
-    """Wrap ``model.forward``: sequence-shaped inputs -> local chunks; outputs as the module docstring says
-    (idempotent: a second set-up of the same model, e.g. ``validate`` after ``fit``, keeps one wrapper)."""
+    """Wrap ``model.forward``: sequence-shaped inputs -> local chunks; outputs as the module docstring
+    says. Applied last, over whatever ``forward`` is then (loss normalization, pipeline runtime); a
+    wrapper from an earlier set-up must be removed first (:func:`remove_context_parallel`)."""
     if getattr(model, "_context_parallel", None) is not None:
-        return
+        raise RuntimeError("shard_inputs: the model's forward is already split for context parallelism.")
     original = model.forward
 
     @functools.wraps(original)
@@ -145,8 +146,8 @@ def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel)
         out = original(*args, **kwargs)
         loss = sequence.loss_of(out)
         if loss is not None:
-            if model.training and torch.is_grad_enabled():
-                return out  # rescaled over dp x cp by the loss normalization inside
+            if torch.is_grad_enabled():
+                return out  # training: rescaled over dp x cp by the loss normalization inside
             count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
             return sequence.with_loss(out, _combined_eval_loss(loss, count, cp))
         if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[1] == length // cp.size:
@@ -155,6 +156,22 @@ def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel)
 
     model.forward = forward  # type: ignore[method-assign]
     model._context_parallel = cp  # type: ignore[attr-defined]
+    model._context_parallel_inner = original  # type: ignore[attr-defined]
+
+
+def remove_context_parallel(root: nn.Module) -> None:
+    """Undo an earlier set-up's context parallelism on the models inside ``root`` (input split and
+    seams), so that the next set-up (``fit`` after ``validate``, another layout) rebuilds its
+    wrappers in order: the loss normalization it may add must sit inside the input split."""
+    from lightning_3d.models.adapters.registry import find_sequences
+
+    for _, model, _, adapter in find_sequences(root):
+        if getattr(model, "_context_parallel", None) is None:
+            continue
+        model.forward = model._context_parallel_inner  # type: ignore[method-assign]
+        del model._context_parallel, model._context_parallel_inner
+        if adapter is not None:
+            adapter.context_parallel(model, None)
 
 
 def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
@@ -176,6 +193,5 @@ def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
                 f"no model family adapter says where its positions and attention are, which context parallelism must "
                 f"replace; use a registered family ({known_names()}) or context_parallel=1."
             )
-        if getattr(model, "_context_parallel", None) is None:
-            adapter.context_parallel(model, cp)
+        adapter.context_parallel(model, cp)
     return len(found)

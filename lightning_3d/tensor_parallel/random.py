@@ -161,10 +161,11 @@ def seed_tracker(tracker: RNGStatesTracker, tp_rank: int, pp_rank: int = 0, base
 
 
 def agree_on_random_state(topology: Any, device: torch.device) -> int:
-    """Give every rank of a model replica (its tp and pp peers) the generator state and seed of the
+    """Give every rank of a model replica (its tp, cp and pp peers) the generator state and seed of the
     replica's first rank, and return that seed. Peers must load the same batch (a sampler drawing
-    from the default generator) and draw replicated dropout alike, even when the user seeded each
-    rank differently or not at all; data-parallel replicas keep their own."""
+    from the default generator; context-parallel peers each keep chunks of the same sequences) and
+    draw replicated dropout alike, even when the user seeded each rank differently or not at all;
+    data-parallel replicas keep their own."""
     import torch.distributed as dist
 
     # an unseeded process has a random 64-bit unsigned seed: fold it into int64 to send it
@@ -172,7 +173,12 @@ def agree_on_random_state(topology: Any, device: torch.device) -> int:
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
-    for group, src in ((topology.tp_group, topology.tp_source_rank()), (topology.pp_group, topology.first_stage_rank())):
+    peers = (
+        (topology.tp_group, topology.tp_source_rank()),
+        (topology.cp_group, topology.cp_source_rank()),
+        (topology.pp_group, topology.first_stage_rank()),
+    )
+    for group, src in peers:
         if dist.get_world_size(group) == 1:
             continue
         dist.broadcast(seed, src, group)

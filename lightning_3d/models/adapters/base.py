@@ -10,7 +10,7 @@ A family is one module holding one :class:`ModelAdapter` subclass.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor, nn
 
@@ -75,11 +75,14 @@ class ModelAdapter:
         (its activations grow with the square of the sequence; its FLOPs are few)."""
         return attention_of(block)
 
-    def context_parallel(self, model: nn.Module, cp: "ContextParallel") -> None:
+    def context_parallel(self, model: nn.Module, cp: Optional["ContextParallel"]) -> None:
         """Make ``model`` compute on this rank's chunks of each sequence: its positions become
         ``cp.positions`` (the true positions of the local tokens) and its causal attention
-        ``cp.attention`` (over the whole sequence, through the cp group). Families without this
-        wiring refuse context parallelism, before anything is sharded."""
+        ``cp.attention`` (over the whole sequence, through the cp group); ``cp=None`` restores the
+        whole-sequence defaults. Families without this wiring refuse context parallelism, before
+        anything is sharded."""
+        if cp is None:
+            return
         raise NotImplementedError(
             f"context_parallel={cp.size}: the {self.name!r} model family has no context-parallel wiring in this "
             f"version (the reference GPT has, in GPT-2 and Llama architecture: lightning_3d.models.GPT); use "

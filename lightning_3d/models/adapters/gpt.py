@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -12,7 +12,15 @@ from torch import Tensor, nn
 from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
 from lightning_3d.models.adapters.registry import register_adapter
-from lightning_3d.models.gpt import GPT, IGNORE_INDEX, AttentionCore, CausalSelfAttention, GPTConfig
+from lightning_3d.models.gpt import (
+    GPT,
+    IGNORE_INDEX,
+    AttentionCore,
+    CausalSelfAttention,
+    GPTConfig,
+    causal_attention,
+    sequence_positions,
+)
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -251,11 +259,15 @@ class GPTAdapter(ModelAdapter):
                 return module
         return super().recompute_target(block)
 
-    def context_parallel(self, model: nn.Module, cp: "ContextParallel") -> None:
+    def context_parallel(self, model: nn.Module, cp: Optional["ContextParallel"]) -> None:
         """Learned and rotary positions both read ``positions`` (the model's and each attention's);
-        ``AttentionCore.attend`` becomes cp's attention. The kernels have no attention dropout, so a
-        model with dropout is refused; the full sequence must fit ``block_size`` (learned positions)."""
+        ``AttentionCore.attend`` becomes cp's attention (``cp=None``: the defaults again). The kernels
+        have no attention dropout, so a model with dropout is refused; the full sequence must fit
+        ``block_size`` (learned positions)."""
         config = model.config
+        if cp is None:
+            self._set_seams(model, sequence_positions, causal_attention)
+            return
         if config.dropout:
             raise ValueError(
                 f"context_parallel={cp.size}: GPTConfig.dropout={config.dropout} applies dropout to attention, which "
@@ -268,12 +280,16 @@ class GPTAdapter(ModelAdapter):
                 raise ValueError(f"sequence length {t * cp.size} exceeds block_size={config.block_size}.")
             return cp.positions(t, device)
 
+        self._set_seams(model, positions, cp.attention)
+
+    @staticmethod
+    def _set_seams(model: nn.Module, positions: Callable[[int, torch.device], Tensor], attend: Callable[..., Tensor]) -> None:
         model.positions = positions
         for module in model.modules():
             if isinstance(module, CausalSelfAttention):
                 module.positions = positions
             elif isinstance(module, AttentionCore):
-                module.attend = cp.attention
+                module.attend = attend
 
     def dims(self, model: nn.Module) -> ModelDims:
         c = model.config
