@@ -338,3 +338,17 @@ def planner_validation(steps: int, repeats: int) -> dict[str, Any]:
     from planner_cases import validation
 
     return validation()
+
+
+@case
+def cp2_vs_cp1(steps: int, repeats: int) -> dict[str, Any]:
+    from context_parallel_cases import cp_vs_cp1
+
+    return cp_vs_cp1(steps, repeats)
+
+
+@case
+def cp_attention_kernels(steps: int, repeats: int) -> dict[str, Any]:
+    from context_parallel_cases import cp_attention_kernels as kernels
+
+    return kernels(steps, repeats)
