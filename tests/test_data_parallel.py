@@ -333,4 +333,4 @@ def test_collectives_default_to_the_data_parallel_group(dp2):
     assert not c0["all_agree_false"] and not c1["all_agree_false"]
     assert c0["any_true"] and c1["any_true"]
     assert c0["sampler"] == {"num_replicas": 2, "rank": 0} and c1["sampler"] == {"num_replicas": 2, "rank": 1}
-    assert c0["mesh_dims"] == ["pp", "dp", "tp"]
+    assert c0["mesh_dims"] == ["pp", "dp", "cp", "tp"]

@@ -66,7 +66,7 @@ def test_torchrun_two_nodes_of_two(tmp_path):
     for r, info in enumerate(ranks):
         assert info["rank"] == r and info["node"] == r // 2 and info["local_rank"] == r % 2
         assert info["tp_group"] == [2 * (r // 2), 2 * (r // 2) + 1]
-        assert info["coords"] == [0, r // 2, r % 2]
+        assert info["coords"] == [0, r // 2, r % 2, 0]  # (pp, dp, tp, cp)
     # Losses: dp=4 over two nodes equals one process on the same global batch.
     reference = run_on_ranks(gpt_losses, 1, timeout=TIMEOUT)[0]["losses"]
     ours = np.mean([info["losses"] for info in ranks], axis=0)
