@@ -25,7 +25,7 @@ from lightning_3d.layout_rules import (
 )
 from lightning_3d.topology import Degree, ParallelDims
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -98,7 +98,7 @@ class ParallelConfig:
             "pipeline_schedule",
             self.pipeline_schedule,
             PIPELINE_SCHEDULES,
-            {"interleaved": "interleaved_1f1b", "fill_drain": "gpipe"},
+            {"interleaved": "interleaved_1f1b", "fill_drain": "gpipe", "zbh1": "zb_h1", "zero_bubble": "zb_h1"},
         )
         if self.micro_batches is not None:
             _positive_int("micro_batches", self.micro_batches)
@@ -161,6 +161,7 @@ class ParallelConfig:
             micro_batches=self.micro_batches,
             offload_optimizer=str(self.offload_optimizer),
             offload_params=str(self.offload_params),
+            activation_checkpointing=str(self.activation_checkpointing),
             model=model,
             tensor_parallel_plan=tensor_parallel_plan,
             world_size=world_size,

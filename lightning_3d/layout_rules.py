@@ -24,6 +24,7 @@ from typing import Any, Optional, Protocol, Union
 from lightning_3d.topology import ParallelDims
 
 INTERLEAVED = "interleaved_1f1b"
+ZERO_BUBBLE = ("zb_h1",)  # schedules that split each backward into input- and weight-gradient halves
 CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 
@@ -103,6 +104,7 @@ def feature_refusals(
     micro_batches: Optional[int] = None,
     offload_optimizer: str = "none",
     offload_params: str = "none",
+    activation_checkpointing: str = "none",
 ) -> list[Refusal]:
     """Combinations of options the strategy refuses whatever the model and world (values already
     normalized as ``ParallelConfig`` does: schedule names, ``"none"`` for no offload)."""
@@ -147,6 +149,13 @@ def feature_refusals(
             "zero_stage=3 with sequence_parallel=True",
             "sequence parallelism under ZeRO-3",
             "use zero_stage <= 2, or sequence_parallel=False",
+        ),
+        (
+            "zero_bubble_with_recompute",
+            schedule in ZERO_BUBBLE and activation_checkpointing != "none" and pp > 1,
+            f"pipeline_schedule={schedule!r} with activation_checkpointing={activation_checkpointing!r}",
+            "splitting a recomputed block's backward into its input- and weight-gradient halves",
+            "use pipeline_schedule='1f1b' or 'interleaved_1f1b' with recompute, or no recompute",
         ),
         (
             "nvme_with_zero3",
@@ -298,6 +307,7 @@ def layout_refusals(
     micro_batches: Optional[int] = None,
     offload_optimizer: str = "none",
     offload_params: str = "none",
+    activation_checkpointing: str = "none",
     model: Optional[ModelLike] = None,
     tensor_parallel_plan: bool = True,
     world_size: Optional[int] = None,
@@ -309,7 +319,7 @@ def layout_refusals(
     out = feature_refusals(
         tp=tp, pp=pp, zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
         virtual_stages=virtual_stages, micro_batches=micro_batches, offload_optimizer=offload_optimizer,
-        offload_params=offload_params,
+        offload_params=offload_params, activation_checkpointing=activation_checkpointing,
     )
     if model is not None:
         out += model_refusals(

@@ -53,11 +53,30 @@ def test_activations_alive_on_the_first_stage(p, m):
 
 
 def test_every_schedule_is_deadlock_free():
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", 1)):
         for p in (1, 2, 3, 4):
             for m in (p, 2 * p, 3 * p):
                 simulate(build_schedule(name, p, m, v))
                 simulate(build_schedule(name, p, m, v, forward_only=True))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_zb_h1_splits_every_backward_and_beats_1f1b_at_its_memory(p, m):
+    """Every micro-batch's backward runs as I then W on each rank; the bubble (F = I = W, a backward
+    twice a forward) is never above 1F1B's, and no stage holds more micro-batches than 1F1B's first."""
+    schedule = build_schedule("zb_h1", p, m)
+    for actions in schedule:
+        kinds = [(a.kind, a.micro) for a in actions if a.kind in ("F", "I", "W", "B")]
+        assert sorted(kinds) == sorted((k, i) for k in "FIW" for i in range(m))
+        for i in range(m):
+            assert kinds.index(("F", i)) < kinds.index(("I", i)) < kinds.index(("W", i))
+    zb, one = simulate(schedule), simulate_named("1f1b", p, m)
+    assert zb.bubble <= one.bubble + 1e-12
+    assert max(zb.max_in_flight) <= max(one.max_in_flight) == min(p, m)
+    if m >= p and m % p == 0:  # (p-1) idle units of 3m + p - 1: the paper's ZB-H1, at p = 2 ...
+        paper = theoretical_bubble("zb_h1", p, m)
+        assert zb.bubble == pytest.approx(paper) if p == 2 else zb.bubble <= paper + 0.05  # ... within 0.05 beyond
 
 
 def test_simulator_detects_a_deadlock():
@@ -71,7 +90,7 @@ def test_simulator_detects_a_deadlock():
 # -- point to point under NCCL semantics (docs/pipeline.md) ------------------------------------------------------
 GRID = [
     (name, p, v, m, forward_only)
-    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [1, 2, 3, 4]))
+    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [1, 2, 3, 4]), ("zb_h1", [1]))
     for p in range(1, 7)
     for v in vs
     for m in range(1, 20)
@@ -79,7 +98,7 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
 def test_communication_plans_run_under_nccl_semantics(name):
     """Every plan the runtime can post for p 1..6, v 1..4, m 1..19 (ragged ones included), training and
     evaluation, finishes under the strict model with one queue per peer and with one queue per rank,
@@ -466,7 +485,9 @@ def pp2_world(tmp: str) -> dict[str, Any]:
             "interleaved": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
             "1f1b_m4": lambda: gpt_run(steps=2, pipeline_parallel=2, micro_batches=4),
             "zero2": lambda: gpt_run(pipeline_parallel=2, zero_stage=2),
+            "zb_h1": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="zb_h1", micro_batches=4),
             "llama": lambda: llama_run(pipeline_parallel=2),
+            "llama_zb_h1": lambda: llama_run(pipeline_parallel=2, pipeline_schedule="zb_h1"),
             "sft_llama": lambda: sft_run("llama", pipeline_parallel=2, micro_batches=4),
             "sft_gpt2": lambda: sft_run("gpt2", pipeline_parallel=2, micro_batches=4),
             "weights": lambda: one_step_weights(pipeline_parallel=2),
@@ -484,6 +505,8 @@ def four_rank_world() -> dict[str, Any]:
             "dp2pp2": lambda: gpt_run(pipeline_parallel=2, data_parallel=2),
             "tp2pp2": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2),
             "tp2pp2_sp": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, sequence_parallel=True),
+            "pp4_zb_h1": lambda: gpt_run(pipeline_parallel=4, pipeline_schedule="zb_h1", micro_batches=8),
+            "tp2pp2_zb_h1_zero1": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="zb_h1", zero_stage=1),
             "llama_dp2pp2": lambda: llama_run(pipeline_parallel=2, data_parallel=2),
             "llama_tp2pp2": lambda: llama_run(pipeline_parallel=2, tensor_parallel=2),
         }
@@ -533,7 +556,7 @@ def _mean(values: list[list[float]]) -> np.ndarray:
     return np.mean(np.array(values), axis=0)  # dp replicas share the batch evenly; tp/pp peers agree
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2"])
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2", "zb_h1"])
 def test_pp2_gpt_matches_one_process(pp2, single, name):
     reference = result_of(single, "gpt")["losses"]
     for r in pp2:  # the loss is visible on every pipeline rank
@@ -541,7 +564,7 @@ def test_pp2_gpt_matches_one_process(pp2, single, name):
     assert len(reference) == STEPS
 
 
-@pytest.mark.parametrize("name", ["pp4", "dp2pp2", "tp2pp2", "tp2pp2_sp"])
+@pytest.mark.parametrize("name", ["pp4", "dp2pp2", "tp2pp2", "tp2pp2_sp", "pp4_zb_h1", "tp2pp2_zb_h1_zero1"])
 def test_four_rank_layouts_match_one_process(four, single, name):
     np.testing.assert_allclose(_mean([result_of(r, name)["losses"] for r in four]), result_of(single, "gpt")["losses"], rtol=1e-5)
 
@@ -554,6 +577,7 @@ def test_dp2_tp2_pp2_zero1_on_eight_ranks(eight, single):
 def test_hf_llama_pipelines(pp2, four, single):
     reference = result_of(single, "llama")
     np.testing.assert_allclose(_mean([result_of(r, "llama") for r in pp2]), reference, rtol=1e-5)
+    np.testing.assert_allclose(_mean([result_of(r, "llama_zb_h1") for r in pp2]), reference, rtol=1e-5)
     for name in ("llama_dp2pp2", "llama_tp2pp2"):
         np.testing.assert_allclose(_mean([result_of(r, name) for r in four]), reference, rtol=1e-5)
 

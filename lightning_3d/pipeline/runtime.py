@@ -24,6 +24,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_3d.collectives import current_compute_device
 from lightning_3d.loss_normalization import data_parallel_factor
@@ -124,6 +125,7 @@ class PipelineRuntime:
         self._plans: dict[tuple[int, bool], list[Step]] = {}
         self._described: dict[tuple[tuple, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._group_ready = False
+        self._params_of_piece: dict[int, list[Tensor]] = {}
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -296,6 +298,7 @@ class PipelineRuntime:
         stats = StepStats(micro_batches=m)
         start = time.perf_counter()
         stored: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
+        held: dict[tuple[int, int], list[dict[str, Any]]] = {}  # I ran, W not yet: autograd's saved state
         losses: list[Tensor] = []
         heads: list[HeadOutput] = []
         scale = self.loss_scale() if train else 1.0
@@ -324,20 +327,29 @@ class PipelineRuntime:
                         stored[key] = (x, out)
                 stats.max_in_flight = max(stats.max_in_flight, len(stored))
                 stats.busy_s += time.perf_counter() - t0
-            elif step.kind == "B":
+            elif step.kind in ("B", "I"):
                 t0 = time.perf_counter()
                 key = (step.micro, step.chunk)
                 x, out = stored.pop(key)
-                if step.piece(self.p, self.rank) == self.pieces - 1:
-                    torch.autograd.backward(out * scale)
-                else:
-                    torch.autograd.backward(out, wire.received.pop(("RECV_GRAD", *key)))
+                piece = step.piece(self.p, self.rank)
+                grad = None if piece == self.pieces - 1 else wire.received.pop(("RECV_GRAD", *key))
+                target = out * scale if grad is None else out
+                if step.kind == "B":
+                    torch.autograd.backward(target, grad)
+                    x_grad = x.grad if x is not None else None
+                else:  # the input gradient now (the previous stage waits for it), the weights' at its W
+                    x_grad, held[key] = self._input_gradient(piece, target, grad, x)
                 if x is not None:  # a piece that did not use its input still owes its peer a gradient
-                    wire.outgoing[("SEND_GRAD", *key)] = x.grad if x.grad is not None else torch.zeros_like(x)
+                    wire.outgoing[("SEND_GRAD", *key)] = x_grad if x_grad is not None else torch.zeros_like(x)
+                stats.busy_s += time.perf_counter() - t0
+            elif step.kind == "W":
+                t0 = time.perf_counter()
+                self._weight_gradient(step.piece(self.p, self.rank), held.pop((step.micro, step.chunk)))
                 stats.busy_s += time.perf_counter() - t0
             else:
                 wire.hand_over(step)
         assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
+        assert not held, "the schedule left weight gradients behind"
         stats.wall_s = time.perf_counter() - start
         self.last_step = stats
         self.history.append(stats)
@@ -346,6 +358,36 @@ class PipelineRuntime:
         if losses:
             return torch.stack(losses).sum()
         return torch.cat([h.logits for h in heads], dim=0) if heads and heads[0].logits is not None else None
+
+    def _piece_params(self, piece: int) -> list[Tensor]:
+        """The trainable parameters of one piece (its blocks; the embedding on the first piece, the
+        head on the last): what its weight-gradient half W computes gradients for."""
+        if piece not in self._params_of_piece:
+            modules = [self.sequence.blocks[i] for i in range(*self.ranges[piece])]
+            if piece == 0:
+                modules += [self.model.get_submodule(n) for n in self.sequence.embed_modules]
+            if piece == self.pieces - 1:
+                modules += [self.model.get_submodule(n) for n in self.sequence.head_modules]
+            found = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+            self._params_of_piece[piece] = list(found.values())
+        return self._params_of_piece[piece]
+
+    def _input_gradient(self, piece: int, target: Tensor, grad: Optional[Tensor], x: Optional[Tensor]) -> tuple[Optional[Tensor], Any]:
+        """I: the gradient of the piece's input alone (torch.distributed.pipelining's
+        ``stage_backward_input``, which also keeps, per group of weights, the gradients reaching the
+        nodes that need them), and what W needs to finish the weights' gradients later. A piece
+        without an input (the first) has nothing to send: its whole backward waits for W."""
+        if x is None:
+            return None, (target, grad)
+        grads, groups = stage_backward_input([target], None if grad is None else [grad], [x], iter(self._piece_params(piece)))
+        return grads[0], groups
+
+    def _weight_gradient(self, piece: int, held: Any) -> None:
+        """W: the weights' gradients from what I kept (accumulated into ``.grad``)."""
+        if isinstance(held, tuple):
+            torch.autograd.backward(held[0], held[1])
+        else:
+            stage_backward_weight(iter(self._piece_params(piece)), held)
 
     # -- point to point ----------------------------------------------------------------------------
     def _peer(self, action: Action) -> int:

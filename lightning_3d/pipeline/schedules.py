@@ -14,12 +14,18 @@ compute that uses them; :func:`build_plan` checks it in the simulator before the
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Literal, Union
+from typing import Callable, Literal, Optional, Union
 
-Kind = Literal["F", "B", "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+Kind = Literal["F", "B", "I", "W", "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+# Compute kinds: F forward; B whole backward; I its input-gradient half (what the previous stage
+# waits for) and W its weight-gradient half (needed by nobody until the optimizer step), which the
+# zero-bubble schedules run apart to fill the pipeline's bubbles (Qi et al. 2023).
+COMPUTE = ("F", "B", "I", "W")
+BACKWARD_WITH_INPUT_GRAD = ("B", "I")
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,9 @@ class Action:
 
 
 def _compute_order(name: str, p: int, m: int, v: int, rank: int, extra_warmup: int = 0) -> list[tuple[str, int, int]]:
-    """(F|B, micro, chunk) in execution order for one rank."""
+    """(F|B|I|W, micro, chunk) in execution order for one rank."""
+    if name == "zb_h1":
+        return list(_zb_h1_orders(p, m)[rank])
     if name == "gpipe":
         return [("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v)) for i in reversed(range(m))]
     if name == "1f1b" and v == 1:
@@ -59,6 +67,67 @@ def _compute_order(name: str, p: int, m: int, v: int, rank: int, extra_warmup: i
         order += [forwards[warmup + i], backwards[i]]
     order += backwards[total - warmup :]
     return order
+
+
+@functools.lru_cache(maxsize=256)
+def _zb_h1_orders(p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism": the schedule with 1F1B's peak
+    memory), built by list scheduling rather than by hand: every rank, at every unit of time (F = I =
+    W = one unit), runs an input-gradient half I if its gradient has arrived (the previous stage
+    waits for it), else a forward if its activation has arrived and fewer than ``limit`` micro-batches
+    are in flight (F to W), else a held-back weight-gradient half W. ``limit`` is at most ``p``, the
+    most 1F1B keeps on any stage (its first); each rank's limit is ``min(p, p - rank + k)``, with the
+    ``k`` whose schedule finishes first (ties: the smaller k, less memory). Early stages fill their
+    cool-down waits with W's, later stages hold more micro-batches than under 1F1B but never more than
+    its first stage does."""
+    best: Optional[tuple[int, int, list[list[tuple[str, int, int]]]]] = None
+    for k in range(p + 1):
+        limits = [min(p, p - r + k) for r in range(p)]
+        makespan, orders = _list_schedule(p, m, limits)
+        if best is None or makespan < best[0]:
+            best = (makespan, k, orders)
+    assert best is not None
+    return tuple(tuple(o) for o in best[2])
+
+
+def _list_schedule(p: int, m: int, limits: list[int]) -> tuple[int, list[list[tuple[str, int, int]]]]:
+    """(makespan, per-rank orders) of the unit-time list schedule described in :func:`_zb_h1_orders`."""
+    forwards, inputs, weights, in_flight, busy_until = [0] * p, [0] * p, [0] * p, [0] * p, [0] * p
+    f_done: list[dict[int, int]] = [{} for _ in range(p)]
+    i_done: list[dict[int, int]] = [{} for _ in range(p)]
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    t = 0
+    while any(w < m for w in weights):
+        for r in range(p):
+            if busy_until[r] > t:
+                continue
+            kind = None
+            if inputs[r] < forwards[r]:
+                ready = (f_done[r] if r == p - 1 else i_done[r + 1]).get(inputs[r])
+                kind = "I" if ready is not None and ready <= t else None
+            if kind is None and forwards[r] < m and in_flight[r] < limits[r]:
+                ready = 0 if r == 0 else f_done[r - 1].get(forwards[r])
+                kind = "F" if ready is not None and ready <= t else None
+            if kind is None and weights[r] < inputs[r]:
+                kind = "W"
+            if kind is None:
+                continue
+            if kind == "F":
+                f_done[r][forwards[r]] = t + 1
+                orders[r].append(("F", forwards[r], 0))
+                forwards[r] += 1
+                in_flight[r] += 1
+            elif kind == "I":
+                i_done[r][inputs[r]] = t + 1
+                orders[r].append(("I", inputs[r], 0))
+                inputs[r] += 1
+            else:
+                orders[r].append(("W", weights[r], 0))
+                weights[r] += 1
+                in_flight[r] -= 1
+            busy_until[r] = t + 1
+        t += 1
+    return t, orders
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
@@ -122,8 +191,6 @@ def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup
             order = [c for c in order if c[0] == "F"]
         actions: list[Action] = []
         for kind, micro, chunk in order:
-            if forward_only and kind == "B":
-                continue
             piece = chunk * p + rank
             if kind == "F":
                 if piece > 0:
@@ -131,10 +198,12 @@ def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup
                 actions.append(Action("F", micro, chunk))
                 if piece < last:
                     actions.append(Action("SEND_ACT", micro, chunk))
+            elif kind == "W":
+                actions.append(Action("W", micro, chunk))
             else:
                 if piece < last:
                     actions.append(Action("RECV_GRAD", micro, chunk))
-                actions.append(Action("B", micro, chunk))
+                actions.append(Action(kind, micro, chunk))  # type: ignore[arg-type]
                 if piece > 0:
                     actions.append(Action("SEND_GRAD", micro, chunk))
         ranks.append(actions)
@@ -149,7 +218,7 @@ def peer_of(action: Action, p: int, rank: int) -> tuple[int, int]:
 
 
 def is_compute(action: Action) -> bool:
-    return action.kind in ("F", "B")
+    return action.kind in COMPUTE
 
 
 def is_send(action: Action) -> bool:
@@ -177,7 +246,7 @@ class Wait:
     items: tuple[int, ...]
 
 
-# A rank's plan: compute actions (F, B), Post, Wait, and bare communication actions for a message
+# A rank's plan: compute actions (F, B, I, W), Post, Wait, and bare communication actions for a message
 # to the rank itself (p == 1 with virtual stages), which are handed over locally.
 Step = Union[Action, Post, Wait]
 
@@ -337,7 +406,10 @@ def headers_of(post: Post, new_shape: Callable[[Action], bool]) -> tuple[tuple[A
 
 
 def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a step: (p-1)/(m+p-1) for GPipe and 1F1B; interleaving divides the
-    pipeline fill by v: ((p-1)/v) / (m + (p-1)/v)."""
+    """Idle fraction of a step with a backward twice a forward (I = W = F): (p-1)/(m+p-1) for GPipe
+    and 1F1B; interleaving divides the pipeline fill by v: ((p-1)/v) / (m + (p-1)/v); ZB-H1 leaves
+    p-1 of 1F1B's 3(p-1) idle units per stage: (p-1) / (3m + p-1)."""
+    if name == "zb_h1":
+        return (p - 1) / (3 * m + p - 1)
     fill = (p - 1) / (v if name == "interleaved_1f1b" else 1)
     return fill / (m + fill)

@@ -28,7 +28,18 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from lightning_3d.pipeline.schedules import Action, Post, Step, Wait, build_schedule, communication_plan, headers_of, is_send, peer_of
+from lightning_3d.pipeline.schedules import (
+    COMPUTE,
+    Action,
+    Post,
+    Step,
+    Wait,
+    build_schedule,
+    communication_plan,
+    headers_of,
+    is_send,
+    peer_of,
+)
 
 Fifo = Literal["peer", "rank"]
 
@@ -92,10 +103,10 @@ def simulate(
                     kind = "ACT" if action.kind == "SEND_ACT" else "GRAD"
                     sent[(kind, action.micro, peer, peer_chunk)] = clock[rank] + comm_time
                 else:
-                    cost = forward_time if action.kind == "F" else backward_time
+                    cost = compute_time(action.kind, forward_time, backward_time)
                     clock[rank] += cost
                     busy[rank] += cost
-                    alive[rank] += 1 if action.kind == "F" else -1
+                    alive[rank] += in_flight_change(action.kind)
                     max_alive[rank] = max(max_alive[rank], alive[rank])
                 order[rank].append(action)
                 pointer[rank] += 1
@@ -105,6 +116,20 @@ def simulate(
             stuck = {r: schedule[r][pointer[r]] for r in range(p) if pointer[r] < len(schedule[r])}
             raise ScheduleDeadlock(f"pipeline schedule deadlocks; ranks wait on {stuck}")
     return Simulation(makespan=max(clock), busy=busy, max_in_flight=max_alive, finish_order=order)
+
+
+def compute_time(kind: str, forward_time: float, backward_time: float) -> float:
+    """F: a forward; B: a whole backward; I and W: its input- and weight-gradient halves (each half of
+    it: both are about one forward's matmuls)."""
+    if kind == "F":
+        return forward_time
+    return backward_time if kind == "B" else backward_time / 2
+
+
+def in_flight_change(kind: str) -> int:
+    """A micro-batch's activations live from its F until the backward that releases them: B, or W
+    (the weight gradients still read the layers' inputs after I)."""
+    return {"F": 1, "B": -1, "W": -1}.get(kind, 0)
 
 
 def simulate_named(name: str, p: int, m: int, v: int = 1, **times: float) -> Simulation:
@@ -266,7 +291,7 @@ class _StrictRun:
                 self.waited[rank].add(item.number)
                 self.visible[rank].update((op.action.kind, op.action.micro, op.action.chunk) for op in item.ops if not op.send)
             return True
-        if step.kind in ("F", "B"):
+        if step.kind in COMPUTE:
             self._compute(rank, step)
             return True
         # a message to this very rank (p == 1): handed over locally
@@ -299,14 +324,15 @@ class _StrictRun:
 
     def _compute(self, rank: int, action: Action) -> None:
         piece = action.piece(self.p, rank)
-        needs = ("RECV_ACT" if action.kind == "F" else "RECV_GRAD", action.micro, action.chunk)
-        if (piece > 0 if action.kind == "F" else piece < self.pieces - 1) and needs not in self.visible[rank]:
-            raise PlanError(f"rank {rank} runs {action!r} before waiting for its receive ({needs[0]}{needs[1]}c{needs[2]})")
-        self.visible[rank].discard(needs)
-        cost = self.forward_time if action.kind == "F" else self.backward_time
+        if action.kind != "W":  # a weight gradient needs nothing from a peer
+            needs = ("RECV_ACT" if action.kind == "F" else "RECV_GRAD", action.micro, action.chunk)
+            if (piece > 0 if action.kind == "F" else piece < self.pieces - 1) and needs not in self.visible[rank]:
+                raise PlanError(f"rank {rank} runs {action!r} before waiting for its receive ({needs[0]}{needs[1]}c{needs[2]})")
+            self.visible[rank].discard(needs)
+        cost = compute_time(action.kind, self.forward_time, self.backward_time)
         self.clock[rank] += cost
         self.busy[rank] += cost
-        self.alive[rank] += 1 if action.kind == "F" else -1
+        self.alive[rank] += in_flight_change(action.kind)
         self.max_alive[rank] = max(self.max_alive[rank], self.alive[rank])
 
     def run(self) -> Simulation:
