@@ -123,7 +123,7 @@ def compare_with_torch(steps: int, repeats: int) -> dict[str, Any]:
 def bubbles(steps: int, repeats: int) -> dict[str, Any]:
     """Measured idle fraction per schedule (pp=2, 4 micro-batches) next to the theory."""
     out: dict[str, Any] = {"case": "pp2_bubbles", "model": PIPE_GPT, "batch": BATCH, "micro_batches": MICRO}
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
         runs = [run_on_ranks(ours, 2, steps, name, v, timeout=600) for _ in range(repeats)]
         idle = statistics.median(statistics.mean(r["idle_fraction"] for r in ranks) for ranks in runs)
         step = statistics.median(max(r["step_s"] for r in ranks) for ranks in runs)
