@@ -40,7 +40,7 @@ from tests.helpers import LossRecorder, quiet_trainer
 
 # -- the factors -----------------------------------------------------------------------------------
 FACTORS: dict[str, tuple[Any, ...]] = {
-    "layout": ("dp2", "tp2", "pp2", "dp2-tp2", "dp2-pp2", "tp2-pp2-v2", "dp2-tp2-pp2", "cp2", "dp2-cp2", "cp2-tp2", "cp2-pp2"),
+    "layout": ("dp2", "tp2", "pp2", "dp2-tp2", "dp2-pp2", "tp2-pp2-v2", "dp2-tp2-pp2", "cp2", "dp2-cp2", "cp2-tp2", "cp2-pp2", "pp2-zb"),
     "zero": (0, 1, 2, 3),
     "precision": ("32-true", "bf16-mixed", "16-mixed"),
     "accumulate": (1, 2),
@@ -70,6 +70,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2-v2": dict(data_parallel=1, pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, micro_batches=8),
     "tp4": dict(data_parallel=1, tensor_parallel=4),
     "dp2-tp4": dict(data_parallel=2, tensor_parallel=4),
+    "pp2-zb": dict(data_parallel=1, pipeline_parallel=2, pipeline_schedule="zb_h1", micro_batches=4),
     "cp2": dict(data_parallel=1, context_parallel=2),
     "dp2-cp2": dict(data_parallel=2, context_parallel=2, context_parallel_mode="all_to_all"),
     "cp2-tp2": dict(data_parallel=1, context_parallel=2, tensor_parallel=2),
@@ -81,7 +82,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 PARTNERS: dict[str, tuple[str, ...]] = {
     "dp2": ("tp2", "pp2"), "tp2": ("pp2", "dp2"), "pp2": ("dp2", "tp2"),
     "dp2-tp2": ("tp2-pp2-v2", "tp4"), "dp2-pp2": ("dp2-tp2",), "tp2-pp2-v2": ("dp2-tp2",), "dp2-tp2-pp2": ("dp2-tp4",),
-    "cp2": ("dp2", "tp2"), "dp2-cp2": ("cp2-tp2", "dp2-tp2"), "cp2-tp2": ("dp2-cp2", "tp4"), "cp2-pp2": ("dp2-cp2", "dp2-tp2"),
+    "pp2-zb": ("dp2", "tp2"), "cp2": ("dp2", "tp2"), "dp2-cp2": ("cp2-tp2", "dp2-tp2"), "cp2-tp2": ("dp2-cp2", "tp4"), "cp2-pp2": ("dp2-cp2", "dp2-tp2"),
 }
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32)
@@ -138,6 +139,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[dict[str, Any]], bool], str]] = [
     (("offload", "zero"), lambda c: c["offload"] != "none" and c["zero"] == 0, r"offload_optimizer='(cpu|nvme)' offloads the ZeRO optimizer's shard and needs zero_stage >= 1"),
     (("zero", "layout"), lambda c: c["zero"] == 3 and LAYOUTS[c["layout"]].get("pipeline_parallel", 1) > 1, r"zero_stage=3 with pipeline_parallel > 1"),
     (("zero", "sequence_parallel", "layout"), lambda c: c["zero"] == 3 and c["sequence_parallel"] and LAYOUTS[c["layout"]].get("tensor_parallel", 1) > 1, r"zero_stage=3 with sequence_parallel=True"),
+    (("recompute", "layout"), lambda c: c["recompute"] != "none" and LAYOUTS[c["layout"]].get("pipeline_schedule") == "zb_h1", r"pipeline_schedule='zb_h1' with activation_checkpointing"),
     (("offload", "zero"), lambda c: c["offload"] == "nvme" and c["zero"] == 3, r"NVMe offload with zero_stage=3"),
     # at set-up, when the optimizers exist: the matrix's second optimizer is SGD
     (("offload", "optimizers"), lambda c: c["offload"] == "nvme" and c["optimizers"] == "two", r"offload_optimizer='nvme' streams Adam/AdamW state; SGD is not supported there"),
