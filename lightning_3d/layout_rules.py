@@ -24,7 +24,6 @@ from typing import Any, Optional, Protocol, Union
 from lightning_3d.topology import ParallelDims
 
 INTERLEAVED = "interleaved_1f1b"
-ZERO_BUBBLE = ("zb_h1",)  # schedules that split each backward into input- and weight-gradient halves
 CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 
@@ -149,13 +148,6 @@ def feature_refusals(
             "zero_stage=3 with sequence_parallel=True",
             "sequence parallelism under ZeRO-3",
             "use zero_stage <= 2, or sequence_parallel=False",
-        ),
-        (
-            "zero_bubble_with_recompute",
-            schedule in ZERO_BUBBLE and activation_checkpointing != "none" and pp > 1,
-            f"pipeline_schedule={schedule!r} with activation_checkpointing={activation_checkpointing!r}",
-            "splitting a recomputed block's backward into its input- and weight-gradient halves",
-            "use pipeline_schedule='1f1b' or 'interleaved_1f1b' with recompute, or no recompute",
         ),
         (
             "nvme_with_zero3",

@@ -139,7 +139,6 @@ RULES: list[tuple[tuple[str, ...], Callable[[dict[str, Any]], bool], str]] = [
     (("offload", "zero"), lambda c: c["offload"] != "none" and c["zero"] == 0, r"offload_optimizer='(cpu|nvme)' offloads the ZeRO optimizer's shard and needs zero_stage >= 1"),
     (("zero", "layout"), lambda c: c["zero"] == 3 and LAYOUTS[c["layout"]].get("pipeline_parallel", 1) > 1, r"zero_stage=3 with pipeline_parallel > 1"),
     (("zero", "sequence_parallel", "layout"), lambda c: c["zero"] == 3 and c["sequence_parallel"] and LAYOUTS[c["layout"]].get("tensor_parallel", 1) > 1, r"zero_stage=3 with sequence_parallel=True"),
-    (("recompute", "layout"), lambda c: c["recompute"] != "none" and LAYOUTS[c["layout"]].get("pipeline_schedule") == "zb_h1", r"pipeline_schedule='zb_h1' with activation_checkpointing"),
     (("offload", "zero"), lambda c: c["offload"] == "nvme" and c["zero"] == 3, r"NVMe offload with zero_stage=3"),
     # at set-up, when the optimizers exist: the matrix's second optimizer is SGD
     (("offload", "optimizers"), lambda c: c["offload"] == "nvme" and c["optimizers"] == "two", r"offload_optimizer='nvme' streams Adam/AdamW state; SGD is not supported there"),

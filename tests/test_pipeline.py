@@ -486,6 +486,7 @@ def pp2_world(tmp: str) -> dict[str, Any]:
             "1f1b_m4": lambda: gpt_run(steps=2, pipeline_parallel=2, micro_batches=4),
             "zero2": lambda: gpt_run(pipeline_parallel=2, zero_stage=2),
             "zb_h1": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="zb_h1", micro_batches=4),
+            "zb_h1_recompute": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="zb_h1", activation_checkpointing="full"),
             "llama": lambda: llama_run(pipeline_parallel=2),
             "llama_zb_h1": lambda: llama_run(pipeline_parallel=2, pipeline_schedule="zb_h1"),
             "sft_llama": lambda: sft_run("llama", pipeline_parallel=2, micro_batches=4),
@@ -556,7 +557,7 @@ def _mean(values: list[list[float]]) -> np.ndarray:
     return np.mean(np.array(values), axis=0)  # dp replicas share the batch evenly; tp/pp peers agree
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2", "zb_h1"])
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2", "zb_h1", "zb_h1_recompute"])
 def test_pp2_gpt_matches_one_process(pp2, single, name):
     reference = result_of(single, "gpt")["losses"]
     for r in pp2:  # the loss is visible on every pipeline rank

@@ -124,13 +124,31 @@ class RNGStatesTracker:
             finally:
                 self.set_states(current)
 
-        return forward_context(), recompute_context()
+        return forward_context(), _Reenterable(recompute_context)
 
     def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``torch.utils.checkpoint`` (non-reentrant) that replays tensor-parallel dropout exactly."""
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=False, context_fn=self.checkpoint_context, **kwargs
         )
+
+
+class _Reenterable:
+    """A context manager made afresh at each ``with``: a recompute may run more than once for one
+    forward (a zero-bubble schedule's input- and weight-gradient halves each unpack the saved
+    tensors), and a ``@contextmanager`` object can be entered only once."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._active: list[Any] = []
+
+    def __enter__(self) -> Any:
+        context = self._make()
+        self._active.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._active.pop().__exit__(*exc)
 
 
 def _wrap_forward(module: torch.nn.Module, context: Callable[[], Any]) -> None:
