@@ -374,3 +374,110 @@ def test_one_calibration_constant_per_device_model() -> None:
         text = (CONF_DIR / "cluster" / f"{name}.yaml").read_text()
         assert "gemm_efficiency" not in text
         assert cluster_of(name).device.model == "A100-SXM4-80GB"
+
+
+# -- zero bubble (ZB-H1) ------------------------------------------------------------------------------
+def _zb_problem() -> Problem:
+    """GPT 39.1B (Narayanan et al. 2021) on two DGX H100 nodes, 128 sequences: zb_h1 fits without
+    recomputation and wins (test_search_picks_zb_h1_where_it_fits_without_recompute)."""
+    from lightning_3d.planner import problem_from_config
+
+    cfg = compose("model=megatron_gpt_39p1b", "cluster=h100_80g_64nodes", "data.global_batch_size=128", "trainer.precision=bf16-mixed")
+    return problem_from_config(cfg, nodes=2)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8, 16])
+def test_zb_h1_in_flight_is_1f1bs_and_its_step_its_own_simulation(pp: int) -> None:
+    """The planner's ZB-H1 is the runtime's schedule run on paper: step = makespan / 3 micro-batch
+    times (F = 1, B = 2), the most micro-batches any stage holds = 1F1B's first stage's, min(pp, m)."""
+    from lightning_3d.pipeline.schedules import build_schedule
+    from lightning_3d.pipeline.simulator import simulate
+    from lightning_3d.planner.memory import last_stage_in_flight
+    from lightning_3d.planner.zero_bubble import SIMULATED_WORK, zb_h1_pipeline
+
+    for m in sorted({1, pp - 1, pp, pp + 1, 2 * pp, 3 * pp, 8 * pp} - {0}):
+        zb = zb_h1_pipeline(pp, m)
+        assert activations_in_flight("zb_h1", pp, m) == activations_in_flight("1f1b", pp, m) == min(pp, m)
+        assert max(zb.in_flight) == min(pp, m)
+        assert 1 <= last_stage_in_flight("zb_h1", pp, m) <= min(pp, m)
+        assert zb.step_units <= m + pp - 1  # never above 1F1B's
+        if m >= pp:
+            assert zb.step_units < m + pp - 1
+        assert zb.step_units >= m + (pp - 1) / 3 - 1e-9  # never below the paper's
+        if zb.simulated:
+            sim = simulate(build_schedule("zb_h1", pp, m))
+            assert zb.step_units == pytest.approx(sim.makespan / 3)
+            assert zb.in_flight == tuple(sim.max_in_flight)
+        else:  # too slow to build in a search: the paper's formula
+            assert pp * pp * (3 * m + pp) > SIMULATED_WORK
+            assert zb.step_units == pytest.approx(m + (pp - 1) / 3)
+
+
+def test_zb_h1_predicts_less_bubble_than_1f1b_at_the_same_layout() -> None:
+    planner = Planner(_zb_problem())
+    for pp, tp, mb in [(2, 2, 1), (4, 2, 1), (8, 2, 1), (16, 1, 1), (4, 2, 4)]:
+        base = Layout(16 // (tp * pp), tp, pp, micro_batch_size=mb, zero_stage=1, sequence_parallel=tp > 1)
+        m = base.micro_batches(planner.problem.global_batch)
+        assert m >= pp
+        one = planner.evaluate(base)
+        zb = planner.evaluate(replace(base, schedule="zb_h1"))
+        assert zb.time["pp_bubble"] < one.time["pp_bubble"]
+        assert zb.step_seconds < one.step_seconds
+        # the bubble of 1F1B is (pp - 1) micro-batch times; ZB-H1's its simulation's (or the paper's)
+        per_micro_batch = one.time["pp_bubble"] / (pp - 1)
+        from lightning_3d.planner.zero_bubble import zb_h1_pipeline
+
+        assert zb.time["pp_bubble"] == pytest.approx(zb_h1_pipeline(pp, m).bubble_units * per_micro_batch)
+        # the same activations on the first stage; where the head's stage is the peak it may hold more
+        assert zb.memory["activations"] >= one.memory["activations"]
+
+
+def test_zb_h1_keeps_1f1bs_activation_memory_where_the_first_stage_is_the_peak() -> None:
+    planner = Planner(_zb_problem())
+    base = Layout(2, 2, 4, zero_stage=1, sequence_parallel=True)
+    one, zb = planner.evaluate(base), planner.evaluate(replace(base, schedule="zb_h1"))
+    assert zb.memory["activations"] == pytest.approx(one.memory["activations"])
+    assert zb.memory["total"] == pytest.approx(one.memory["total"])
+
+
+def test_zb_h1_with_recompute_is_never_proposed() -> None:
+    """The planner hands its recomputation to the strategy's rules as activation_checkpointing (so
+    whatever those refuse it never proposes), and refuses zb_h1 with recomputation itself: the
+    runtime may recompute a block for both I and W, which the time model does not count."""
+    import lightning_3d.layout_rules as layout_rules
+
+    planner = Planner(_problem_small())
+    proposed = [layout for degrees in planner.degrees() for layout in planner.options(*degrees)]
+    zb = [layout for layout in proposed if layout.schedule == "zb_h1"]
+    assert zb and all(layout.recompute == "none" for layout in zb)
+    assert any(layout.recompute != "none" for layout in proposed if layout.schedule == "1f1b" and layout.pp > 1)
+    for recompute in ("selective", "full"):
+        assert "planner:zero_bubble_recompute" in [r.rule for r in planner.refusals(replace(zb[0], recompute=recompute))]
+    with pytest.raises(ValueError, match="zb_h1 with recompute=full"):
+        best_completion(planner, dict(dp=zb[0].dp, tp=zb[0].tp, pp=zb[0].pp, schedule="zb_h1", recompute="full"))
+    for layout in proposed:  # every proposed layout passes the strategy's rules with its recomputation
+        kw = layout.strategy_kwargs(planner.problem.global_batch)
+        assert not layout_rules.feature_refusals(
+            tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, sequence_parallel=layout.sequence_parallel,
+            schedule=layout.schedule, virtual_stages=layout.virtual_stages, micro_batches=kw["micro_batches"],
+            offload_optimizer=kw["offload_optimizer"] or "none", offload_params=kw["offload_params"] or "none",
+            activation_checkpointing=kw["activation_checkpointing"] or "none",
+        )
+
+
+def _problem_small() -> Problem:
+    from lightning_3d.planner import problem_from_config
+
+    return problem_from_config(compose("cluster.devices_per_node=8", "model.n_head=8", "model.n_layer=8"))
+
+
+def test_search_picks_zb_h1_where_it_fits_without_recompute() -> None:
+    """GPT 39.1B on 16 H100s: tp2 x pp2 x dp4 with ZB-H1 (32 micro-batches, no recomputation) ranks
+    first, ahead of the interleaved pipelines; zb_h1 only in lightning_3d's profile."""
+    from lightning_3d.planner import plan
+
+    best = plan(_zb_problem()).ranked[0]
+    assert best.layout.schedule == "zb_h1" and best.layout.recompute == "none"
+    assert (best.layout.tp, best.layout.pp) == (2, 2)
+    for name, software in SOFTWARE.items():
+        assert ("zb_h1" in software.schedules) == (name == "lightning_3d")

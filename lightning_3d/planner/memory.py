@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_3d.planner.model_shape import ModelShape
+from lightning_3d.planner.zero_bubble import zb_h1_pipeline
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -99,15 +100,32 @@ def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: Activation
 def activations_in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """How many micro-batches' worth of a stage's layer activations the first stage holds at its
     peak, as a multiple of (its layers x one micro-batch). 1F1B: ``pp`` (Narayanan et al. 2021);
-    interleaved: ``pp`` (1 + (pp - 1) / (pp v)) (Korthikanti et al. eq. 5); GPipe: all ``m``."""
+    interleaved: ``pp`` (1 + (pp - 1) / (pp v)) (Korthikanti et al. eq. 5); GPipe: all ``m``; ZB-H1:
+    the most any stage but the last holds in its simulation (F to W; at most ``pp``, 1F1B's first
+    stage), an upper bound for all of them since the first stage has the most layers among them."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(micro_batches)
+    if schedule == "zb_h1":
+        return float(max(zb_h1_pipeline(pp, micro_batches).in_flight[:-1]))
     warm = float(min(pp, micro_batches))
     if schedule == "interleaved_1f1b" and virtual_stages > 1:
         return warm * (1.0 + (pp - 1) / (pp * virtual_stages))
     return warm
+
+
+def last_stage_in_flight(schedule: str, pp: int, micro_batches: int) -> float:
+    """Micro-batches the last stage (the head's) holds at its peak: 1 under 1F1B (each finishes at
+    once), all ``m`` under GPipe; under ZB-H1 those whose weight-gradient half W is held back too
+    (its simulation: up to ``pp``)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(micro_batches)
+    if schedule == "zb_h1":
+        return float(zb_h1_pipeline(pp, micro_batches).in_flight[-1])
+    return 1.0
 
 
 def activation_bytes(
@@ -117,6 +135,7 @@ def activation_bytes(
     in_flight: float,
     opts: ActivationOptions,
     head_on_stage: bool,
+    head_pending: float = 0.0,
 ) -> dict[str, float]:
     """Peak activation bytes on one pipeline stage: ``stored`` (kept for backward across layers,
     logits included) and ``recompute`` (under full recomputation, the one layer being re-run
@@ -124,7 +143,10 @@ def activation_bytes(
     stored = layers_on_stage * in_flight * layer_activation_bytes(model, micro_batch, opts)
     if head_on_stage:
         # Logits and their gradient, split over the vocabulary by tensor parallelism.
-        stored += 2 * opts.bytes_per_element * model.seq_len / opts.cp * micro_batch * model.vocab / opts.tp
+        logits = opts.bytes_per_element * model.seq_len / opts.cp * micro_batch * model.vocab / opts.tp
+        # ``head_pending`` more micro-batches (ZB-H1's held-back W) each keep the logits' gradient for
+        # the head's weight gradient
+        stored += (2 + head_pending) * logits
     recompute = 0.0
     if opts.recompute == "full":
         working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element, opts.cp)

@@ -28,12 +28,19 @@ from lightning_3d.planner.collectives import NCCL_VERSIONS, Group, collective_co
 from lightning_3d.planner.context_parallel import CP_MIN_SEQUENCE, CP_MODES, ContextParallelCost, layer_cp_cost
 from lightning_3d.planner.data_parallel import DataParallelTime, replicated_params_comm, sharded_params_comm
 from lightning_3d.planner.hardware import ClusterSpec
-from lightning_3d.planner.memory import ActivationOptions, activation_bytes, activations_in_flight, zero_model_state_bytes
+from lightning_3d.planner.memory import (
+    ActivationOptions,
+    activation_bytes,
+    activations_in_flight,
+    last_stage_in_flight,
+    zero_model_state_bytes,
+)
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.planner.timing import HBM_EFFICIENCY, head_cost, layer_cost, optimizer_seconds, p2p_seconds
+from lightning_3d.planner.zero_bubble import zb_h1_pipeline
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1")
 OFFLOAD = ("none", "cpu", "nvme")
 # Fraction of device memory the caching allocator can hand out before fragmentation bites; a
 # plan that needs more is rejected (PyTorch typically loses 5-10% to fragmentation at peak).
@@ -76,10 +83,14 @@ class Software:
     zero3_persist_below: float = 0.0  # tensors with fewer elements stay whole (not gathered)
     zero3_own_adapter: bool = False  # its world-spanning gathers reach one adapter's share per device
     context_parallel_modes: tuple[str, ...] = CP_MODES  # () : no context parallelism
+    # ZB-H1 with recomputation: the runtime may recompute a block twice (once for I, once for W),
+    # which the time model does not count, so the planner does not propose it
+    zero_bubble_recompute: bool = False
 
 
 SOFTWARE: dict[str, Software] = {
-    "lightning_3d": Software("lightning_3d"),
+    # lightning_3d alone offers zero-bubble ZB-H1 (never with recomputation: the strategy refuses it)
+    "lightning_3d": Software("lightning_3d", schedules=("1f1b", "interleaved_1f1b", "zb_h1")),
     # Megatron-LM as in Narayanan et al. 2021: no ZeRO, no sequence parallelism (2022), unfused
     # softmax attention (FlashAttention is 2022), full recomputation, 1F1B or interleaved 1F1B.
     "megatron_2021": Software(
@@ -413,7 +424,7 @@ class Planner:
         stages = [(0, layers[0] * layer_psi + embed_psi + (head_psi if pp == 1 else 0), in_flight, pp == 1)]
         if pp > 1:
             last_psi = layers[-1] * layer_psi + head_psi + (embed_psi if model.tied_embeddings else 0)
-            last_in_flight = float(m) if layout.schedule == "gpipe" else 1.0  # 1F1B: the last stage finishes each micro-batch at once
+            last_in_flight = last_stage_in_flight(layout.schedule, pp, m)  # 1F1B: 1, each micro-batch finishes at once
             stages.append((pp - 1, last_psi, last_in_flight, True))
         best_memory: Optional[dict[str, float]] = None
         psi_max = 0.0
@@ -424,7 +435,8 @@ class Planner:
                 states["optimizer"] = 0.0
                 if layout.zero_stage == 3:
                     states["params"] = states["grads"] = 0.0
-            activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head)
+            pending = flight - 1 if layout.schedule == "zb_h1" and has_head and pp > 1 else 0.0  # held-back W's
+            activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head, pending)
             buffers = 0.0
             if layout.zero_stage >= 1:  # two in-flight reduce buckets of the stack's size, at most the grads
                 bucket = p.software.grad_bucket_mb * 2**20 or psi * p.software.grad_reduce_bytes
@@ -480,7 +492,9 @@ class Planner:
             hidden = p.software.p2p_overlap and v > 1  # Megatron-Core overlaps p2p for the interleaved schedule
             p2p = 0.0 if hidden else 2 * p2p_seconds(nbytes, self._bandwidth(t * cp * d, 2))  # a stage is dp x cp x tp ranks
         per_micro_batch = stage_seconds + v * p2p
-        if v == 1:
+        if layout.schedule == "zb_h1" and pp > 1:  # its own simulated step (zero_bubble.py)
+            bubble = zb_h1_pipeline(pp, m).bubble_units * per_micro_batch
+        elif v == 1:
             bubble = (pp - 1) * per_micro_batch
         else:  # the warm-up and drain run piece by piece: the largest piece sets the pace
             largest_piece = -(-model.n_layer // (pp * v))
@@ -637,6 +651,7 @@ class Planner:
             tp=t, pp=pp, zero_stage=layout.zero_stage, sequence_parallel=layout.sequence_parallel,
             schedule=layout.schedule, virtual_stages=v, micro_batches=kw["micro_batches"],
             offload_optimizer=kw["offload_optimizer"] or "none", offload_params=kw["offload_params"] or "none",
+            activation_checkpointing=kw["activation_checkpointing"] or "none",
         )
         allowed = {"zero3_with_pipeline": sw.zero3_with_pipeline, "zero3_with_sequence_parallel": sw.zero3_with_sequence_parallel}
         out = [r for r in out if not allowed.get(r.rule)]  # a profile modelling software that has them
@@ -697,6 +712,13 @@ class Planner:
                 "profile:even_stages",
                 f"software profile {sw.name!r} splits layers evenly, and pp x v = {pp * v} does not divide the "
                 f"{model.n_layer} layers; choose v with pp x v dividing {model.n_layer}.",
+            ))
+        if pp > 1 and layout.schedule == "zb_h1" and layout.recompute != "none" and not sw.zero_bubble_recompute:
+            out.append(Refusal(
+                "planner:zero_bubble_recompute",
+                f"schedule=zb_h1 with recompute={layout.recompute}: the runtime may recompute a block for both halves "
+                f"of its backward (I and W), which the planner's time model does not count; use recompute=none, or "
+                f"schedule=1f1b / interleaved with recompute.",
             ))
         if layout.offload == "nvme" and p.cluster.nvme_gb <= 0:
             out.append(Refusal(
