@@ -161,7 +161,6 @@ class ParallelConfig:
             micro_batches=self.micro_batches,
             offload_optimizer=str(self.offload_optimizer),
             offload_params=str(self.offload_params),
-            activation_checkpointing=str(self.activation_checkpointing),
             model=model,
             tensor_parallel_plan=tensor_parallel_plan,
             world_size=world_size,

@@ -103,7 +103,6 @@ def feature_refusals(
     micro_batches: Optional[int] = None,
     offload_optimizer: str = "none",
     offload_params: str = "none",
-    activation_checkpointing: str = "none",
 ) -> list[Refusal]:
     """Combinations of options the strategy refuses whatever the model and world (values already
     normalized as ``ParallelConfig`` does: schedule names, ``"none"`` for no offload)."""
@@ -299,7 +298,6 @@ def layout_refusals(
     micro_batches: Optional[int] = None,
     offload_optimizer: str = "none",
     offload_params: str = "none",
-    activation_checkpointing: str = "none",
     model: Optional[ModelLike] = None,
     tensor_parallel_plan: bool = True,
     world_size: Optional[int] = None,
@@ -311,7 +309,7 @@ def layout_refusals(
     out = feature_refusals(
         tp=tp, pp=pp, zero_stage=zero_stage, sequence_parallel=sequence_parallel, schedule=schedule,
         virtual_stages=virtual_stages, micro_batches=micro_batches, offload_optimizer=offload_optimizer,
-        offload_params=offload_params, activation_checkpointing=activation_checkpointing,
+        offload_params=offload_params,
     )
     if model is not None:
         out += model_refusals(

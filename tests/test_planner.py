@@ -441,9 +441,9 @@ def test_zb_h1_keeps_1f1bs_activation_memory_where_the_first_stage_is_the_peak()
 
 
 def test_zb_h1_with_recompute_is_never_proposed() -> None:
-    """The planner hands its recomputation to the strategy's rules as activation_checkpointing (so
-    whatever those refuse it never proposes), and refuses zb_h1 with recomputation itself: the
-    runtime may recompute a block for both I and W, which the time model does not count."""
+    """The planner refuses zb_h1 with recomputation itself (the strategy runs it: the runtime may
+    recompute a block for both I and W, which the time model does not count), and every layout it
+    proposes passes the strategy's rules."""
     import lightning_3d.layout_rules as layout_rules
 
     planner = Planner(_problem_small())
@@ -461,7 +461,6 @@ def test_zb_h1_with_recompute_is_never_proposed() -> None:
             tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, sequence_parallel=layout.sequence_parallel,
             schedule=layout.schedule, virtual_stages=layout.virtual_stages, micro_batches=kw["micro_batches"],
             offload_optimizer=kw["offload_optimizer"] or "none", offload_params=kw["offload_params"] or "none",
-            activation_checkpointing=kw["activation_checkpointing"] or "none",
         )
 
 

@@ -651,7 +651,6 @@ class Planner:
             tp=t, pp=pp, zero_stage=layout.zero_stage, sequence_parallel=layout.sequence_parallel,
             schedule=layout.schedule, virtual_stages=v, micro_batches=kw["micro_batches"],
             offload_optimizer=kw["offload_optimizer"] or "none", offload_params=kw["offload_params"] or "none",
-            activation_checkpointing=kw["activation_checkpointing"] or "none",
         )
         allowed = {"zero3_with_pipeline": sw.zero3_with_pipeline, "zero3_with_sequence_parallel": sw.zero3_with_sequence_parallel}
         out = [r for r in out if not allowed.get(r.rule)]  # a profile modelling software that has them
