@@ -274,11 +274,11 @@ def wide_reference() -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_large_activations_on_real_ranks(world, wide_reference):
-    """1F1B and interleaved 1F1B with 8 MiB activations (sends cannot hide in socket buffers), shapes
-    that change mid-step and a ragged micro-batch count (see wide_batches): the same losses and
+    """1F1B, interleaved 1F1B and ZB-H1 with 8 MiB activations (sends cannot hide in socket buffers),
+    shapes that change mid-step and a ragged micro-batch count (see wide_batches): the same losses and
     gradients as one process. Under strict mode (NCCL's matching and rendezvous on gloo) this is the
     no-hang check."""
-    schedules = [("1f1b", 1), ("interleaved_1f1b", 2)]
+    schedules = [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
     ranks = run_on_ranks(wide_world, world, schedules, timeout=240)
     for name, v in schedules:
         key = f"{name}_v{v}"
@@ -485,8 +485,6 @@ def pp2_world(tmp: str) -> dict[str, Any]:
             "interleaved": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
             "1f1b_m4": lambda: gpt_run(steps=2, pipeline_parallel=2, micro_batches=4),
             "zero2": lambda: gpt_run(pipeline_parallel=2, zero_stage=2),
-            "zb_h1": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="zb_h1", micro_batches=4),
-            "zb_h1_recompute": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="zb_h1", activation_checkpointing="full"),
             "llama": lambda: llama_run(pipeline_parallel=2),
             "llama_zb_h1": lambda: llama_run(pipeline_parallel=2, pipeline_schedule="zb_h1"),
             "sft_llama": lambda: sft_run("llama", pipeline_parallel=2, micro_batches=4),
@@ -557,7 +555,8 @@ def _mean(values: list[list[float]]) -> np.ndarray:
     return np.mean(np.array(values), axis=0)  # dp replicas share the batch evenly; tp/pp peers agree
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2", "zb_h1", "zb_h1_recompute"])
+# (ZB-H1 at pp2, with recompute, accumulation, ZeRO, precisions ...: the composition matrix's pp2-zb cells)
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2"])
 def test_pp2_gpt_matches_one_process(pp2, single, name):
     reference = result_of(single, "gpt")["losses"]
     for r in pp2:  # the loss is visible on every pipeline rank

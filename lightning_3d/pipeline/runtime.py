@@ -125,7 +125,6 @@ class PipelineRuntime:
         self._plans: dict[tuple[int, bool], list[Step]] = {}
         self._described: dict[tuple[tuple, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._group_ready = False
-        self._params_of_piece: dict[int, list[Tensor]] = {}
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -318,14 +317,14 @@ class PipelineRuntime:
                 if piece == self.pieces - 1:
                     if out.loss is not None:
                         losses.append(_weighted(out.loss.detach().float(), weights[step.micro]))
-                    heads.append(out)
+                    heads.append(out if not train else HeadOutput(logits=out.logits))  # not the loss: its graph waits for W
                     if train:
                         stored[key] = (x, _weighted(out.loss, weights[step.micro]))
                 else:
                     wire.outgoing[("SEND_ACT", *key)] = out.detach()
                     if train:
                         stored[key] = (x, out)
-                stats.max_in_flight = max(stats.max_in_flight, len(stored))
+                stats.max_in_flight = max(stats.max_in_flight, len(stored) + len(held))  # alive until B, or W
                 stats.busy_s += time.perf_counter() - t0
             elif step.kind in ("B", "I"):
                 t0 = time.perf_counter()
@@ -344,7 +343,7 @@ class PipelineRuntime:
                 stats.busy_s += time.perf_counter() - t0
             elif step.kind == "W":
                 t0 = time.perf_counter()
-                self._weight_gradient(step.piece(self.p, self.rank), held.pop((step.micro, step.chunk)))
+                self._weight_gradient(held.pop((step.micro, step.chunk)))
                 stats.busy_s += time.perf_counter() - t0
             else:
                 wire.hand_over(step)
@@ -359,35 +358,38 @@ class PipelineRuntime:
             return torch.stack(losses).sum()
         return torch.cat([h.logits for h in heads], dim=0) if heads and heads[0].logits is not None else None
 
-    def _piece_params(self, piece: int) -> list[Tensor]:
-        """The trainable parameters of one piece (its blocks; the embedding on the first piece, the
-        head on the last): what its weight-gradient half W computes gradients for."""
-        if piece not in self._params_of_piece:
-            modules = [self.sequence.blocks[i] for i in range(*self.ranges[piece])]
-            if piece == 0:
-                modules += [self.model.get_submodule(n) for n in self.sequence.embed_modules]
-            if piece == self.pieces - 1:
-                modules += [self.model.get_submodule(n) for n in self.sequence.head_modules]
-            found = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
-            self._params_of_piece[piece] = list(found.values())
-        return self._params_of_piece[piece]
+    def _held_parameters(self) -> list[Tensor]:
+        """Every parameter this rank holds, read at each call (one frozen at set-up may train later):
+        what the weight-gradient half W computes gradients for. Those outside a piece's graph, or
+        frozen, are skipped by torch; a model-level parameter a block uses is not missed."""
+        return list({id(p): p for p in self.model.parameters()}.values())
 
     def _input_gradient(self, piece: int, target: Tensor, grad: Optional[Tensor], x: Optional[Tensor]) -> tuple[Optional[Tensor], Any]:
         """I: the gradient of the piece's input alone (torch.distributed.pipelining's
         ``stage_backward_input``, which also keeps, per group of weights, the gradients reaching the
         nodes that need them), and what W needs to finish the weights' gradients later. A piece
-        without an input (the first) has nothing to send: its whole backward waits for W."""
+        without an input (the first) has nothing to send: its whole backward waits for W.
+
+        The input gradient is copied before it is sent: W writes weight gradients with ``+=`` into
+        the tensors autograd returned, which may be this very one (a weight added to the input)."""
         if x is None:
             return None, (target, grad)
-        grads, groups = stage_backward_input([target], None if grad is None else [grad], [x], iter(self._piece_params(piece)))
-        return grads[0], groups
+        if target._is_view():  # stage_backward_input detaches its outputs in place, which a view refuses
+            target = target.clone()
+        grads, groups = stage_backward_input([target], None if grad is None else [grad], [x], iter(self._held_parameters()))
+        if grads[0] is None:
+            raise RuntimeError(
+                f"pipeline piece {piece}'s output does not depend on its input, so its weights' gradients cannot be "
+                f"split from the input's (zero-bubble schedules); use pipeline_schedule='1f1b'."
+            )
+        return grads[0].clone(), groups
 
-    def _weight_gradient(self, piece: int, held: Any) -> None:
+    def _weight_gradient(self, held: Any) -> None:
         """W: the weights' gradients from what I kept (accumulated into ``.grad``)."""
         if isinstance(held, tuple):
             torch.autograd.backward(held[0], held[1])
         else:
-            stage_backward_weight(iter(self._piece_params(piece)), held)
+            stage_backward_weight(iter(self._held_parameters()), held)
 
     # -- point to point ----------------------------------------------------------------------------
     def _peer(self, action: Action) -> int:
