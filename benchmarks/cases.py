@@ -89,6 +89,22 @@ class StateMemory(L.Callback):
             self.mb = model_state_mb(pl_module, trainer.optimizers)
 
 
+def bench_trainer(strategy: Any, max_steps: int, callbacks: list[L.Callback]) -> L.Trainer:
+    """A quiet CPU Trainer over every rank of this world: no validation, logger, checkpoints or bars."""
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=torch.distributed.get_world_size(),
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
 def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: int = 5) -> dict[str, float]:
     """Runs on every rank: tokens/s (all replicas), step time and peak memory of ``steps`` GPT steps."""
     import lightning_3d  # noqa: F401  (registers "3d")
@@ -96,18 +112,7 @@ def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: in
     L.seed_everything(0)
     throughput, state = TokenThroughput(warmup=warmup), StateMemory()
     strategy, module_class = _strategy(strategy_spec)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=torch.distributed.get_world_size(),
-        max_steps=steps + warmup,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[throughput, state],
-    )
+    trainer = bench_trainer(strategy, steps + warmup, [throughput, state])
     model = module_class(GPTConfig(**BENCH_GPT), warmup_steps=2)
     model.configure_callbacks = lambda: []  # keep our instance
     trainer.fit(model, TextDataModule(block_size=BENCH_GPT["block_size"], global_batch_size=global_batch, max_bytes=2**21))

@@ -82,6 +82,8 @@ class _RssAtStart(L.Callback):
 def fit_cp(cp: int, mode: str, steps: int, warmup: int, threads: int = 0) -> dict[str, float]:
     """Runs on every rank: tokens/s and this rank's memory for ``steps`` training steps of CP_GPT at cp=``cp``
     (``threads``: per rank; 0 = the strategy's rule, cores // ranks)."""
+    from cases import bench_trainer
+
     from lightning_3d import ThreeDParallelStrategy
 
     # The strategy would give each local rank cpu_count // ranks threads, but run_on_ranks sets
@@ -90,18 +92,7 @@ def fit_cp(cp: int, mode: str, steps: int, warmup: int, threads: int = 0) -> dic
     L.seed_everything(0)
     throughput, probe, base = TokenThroughput(warmup=warmup), MemoryProbe(step=1), _RssAtStart()
     kwargs: dict[str, Any] = dict(context_parallel=cp, context_parallel_mode=mode) if cp > 1 else {}
-    trainer = L.Trainer(
-        strategy=ThreeDParallelStrategy(**kwargs),
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        max_steps=steps + warmup,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[throughput, probe, base],
-    )
+    trainer = bench_trainer(ThreeDParallelStrategy(**kwargs), steps + warmup, [throughput, probe, base])
     model = GPTModule(GPTConfig(**CP_GPT), warmup_steps=2)
     model.configure_callbacks = lambda: []  # keep our instances
     data = TextDataModule(block_size=CP_GPT["block_size"], global_batch_size=CP_BATCH, max_bytes=2**21)
