@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
+from lightning_3d.layout_rules import raise_refusals
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.planner import Planner, Problem, Software, best_completion, problem_from_config
 from lightning_3d.pipeline.partition import partition
@@ -69,6 +70,7 @@ def _runnable_by_the_strategy(planner: Planner, layout: Any) -> list[str]:
         config = ParallelConfig(**{**kwargs, "nvme_path": nvme})
         config.require_implemented()
         config.check_world(p.cluster.world_size, p.cluster.devices_per_node)
+        raise_refusals(config.refusals(model=shape))  # with its sequence length: cp chunks, all-to-all heads
         model, plan = _meta_gpt(shape)
         plan.check(model, layout.tp)  # type: ignore[misc]
         if layout.pp > 1:
@@ -180,6 +182,15 @@ def test_every_layout_the_planner_proposes_is_one_the_strategy_accepts(overrides
     planner = Planner(_problem(*overrides))
     proposed = [layout for degrees in planner.degrees() for layout in planner.options(*degrees)]
     assert proposed
+    refused = {layout.short(): why for layout in proposed if (why := _runnable_by_the_strategy(planner, layout))}
+    assert not refused, list(refused.items())[:3]
+
+
+def test_every_context_parallel_layout_the_planner_proposes_is_one_the_strategy_accepts():
+    planner = Planner(_problem("model=llama3_8b", "cluster=h100_80g_1node", "data.global_batch_size=8", "model.block_size=32768"))
+    proposed = [layout for d, t, pp, cp in planner.context_degrees() for layout in planner.options(d, t, pp, cp=cp)]
+    assert proposed and {layout.cp for layout in proposed} >= {2, 4, 8}
+    assert {layout.context_parallel_mode for layout in proposed} == {"ring", "all_to_all"}
     refused = {layout.short(): why for layout in proposed if (why := _runnable_by_the_strategy(planner, layout))}
     assert not refused, list(refused.items())[:3]
 
