@@ -33,11 +33,9 @@ from torch import Tensor, nn
 from lightning_3d.context_parallel.layout import check_divisible, local_positions, shard_sequence, unshard_sequence
 from lightning_3d.context_parallel.ring import ring_attention
 from lightning_3d.context_parallel.ulysses import all_to_all_attention
+from lightning_3d.layout_rules import CONTEXT_PARALLEL_MODES
 from lightning_3d.pipeline.sequences import LayerSequence
 from lightning_3d.tensor_parallel.mappings import gather_along, reduce_scatter_along
-
-MODES = ("ring", "all_to_all")
-
 
 @dataclass(frozen=True)
 class ContextParallel:
@@ -54,8 +52,8 @@ class ContextParallel:
     split_after: int = 1
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"context_parallel_mode={self.mode!r} is unknown: choose one of {MODES}.")
+        if self.mode not in CONTEXT_PARALLEL_MODES:
+            raise ValueError(f"context_parallel_mode={self.mode!r} is unknown: choose one of {CONTEXT_PARALLEL_MODES}.")
 
     def positions(self, t: int, device: torch.device) -> Tensor:
         """True positions of the ``t`` local tokens (this rank's two chunks of a ``t * size`` sequence)."""

@@ -301,6 +301,7 @@ class PipelineRuntime:
         losses: list[Tensor] = []
         heads: list[HeadOutput] = []
         scale = self.loss_scale() if train else 1.0
+        parameters = self._held_parameters() if train else []  # what zero-bubble W halves finish, read once a step
         for step in self._plan(m, train):
             if isinstance(step, Post):
                 wire.post(step, stored)
@@ -337,13 +338,13 @@ class PipelineRuntime:
                     torch.autograd.backward(target, grad)
                     x_grad = x.grad if x is not None else None
                 else:  # the input gradient now (the previous stage waits for it), the weights' at its W
-                    x_grad, held[key] = self._input_gradient(piece, target, grad, x)
+                    x_grad, held[key] = self._input_gradient(piece, target, grad, x, parameters)
                 if x is not None:  # a piece that did not use its input still owes its peer a gradient
                     wire.outgoing[("SEND_GRAD", *key)] = x_grad if x_grad is not None else torch.zeros_like(x)
                 stats.busy_s += time.perf_counter() - t0
             elif step.kind == "W":
                 t0 = time.perf_counter()
-                self._weight_gradient(held.pop((step.micro, step.chunk)))
+                self._weight_gradient(held.pop((step.micro, step.chunk)), parameters)
                 stats.busy_s += time.perf_counter() - t0
             else:
                 wire.hand_over(step)
@@ -359,12 +360,14 @@ class PipelineRuntime:
         return torch.cat([h.logits for h in heads], dim=0) if heads and heads[0].logits is not None else None
 
     def _held_parameters(self) -> list[Tensor]:
-        """Every parameter this rank holds, read at each call (one frozen at set-up may train later):
+        """Every parameter this rank holds, read each step (one frozen at set-up may train later):
         what the weight-gradient half W computes gradients for. Those outside a piece's graph, or
         frozen, are skipped by torch; a model-level parameter a block uses is not missed."""
         return list({id(p): p for p in self.model.parameters()}.values())
 
-    def _input_gradient(self, piece: int, target: Tensor, grad: Optional[Tensor], x: Optional[Tensor]) -> tuple[Optional[Tensor], Any]:
+    def _input_gradient(
+        self, piece: int, target: Tensor, grad: Optional[Tensor], x: Optional[Tensor], parameters: list[Tensor]
+    ) -> tuple[Optional[Tensor], Any]:
         """I: the gradient of the piece's input alone (torch.distributed.pipelining's
         ``stage_backward_input``, which also keeps, per group of weights, the gradients reaching the
         nodes that need them), and what W needs to finish the weights' gradients later. A piece
@@ -376,7 +379,7 @@ class PipelineRuntime:
             return None, (target, grad)
         if target._is_view():  # stage_backward_input detaches its outputs in place, which a view refuses
             target = target.clone()
-        grads, groups = stage_backward_input([target], None if grad is None else [grad], [x], iter(self._held_parameters()))
+        grads, groups = stage_backward_input([target], None if grad is None else [grad], [x], iter(parameters))
         if grads[0] is None:
             raise RuntimeError(
                 f"pipeline piece {piece}'s output does not depend on its input, so its weights' gradients cannot be "
@@ -384,12 +387,12 @@ class PipelineRuntime:
             )
         return grads[0].clone(), groups
 
-    def _weight_gradient(self, held: Any) -> None:
+    def _weight_gradient(self, held: Any, parameters: list[Tensor]) -> None:
         """W: the weights' gradients from what I kept (accumulated into ``.grad``)."""
         if isinstance(held, tuple):
             torch.autograd.backward(held[0], held[1])
         else:
-            stage_backward_weight(iter(self._held_parameters()), held)
+            stage_backward_weight(iter(parameters), held)
 
     # -- point to point ----------------------------------------------------------------------------
     def _peer(self, action: Action) -> int:

@@ -25,7 +25,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 # waits for) and W its weight-gradient half (needed by nobody until the optimizer step), which the
 # zero-bubble schedules run apart to fill the pipeline's bubbles (Qi et al. 2023).
 COMPUTE = ("F", "B", "I", "W")
-BACKWARD_WITH_INPUT_GRAD = ("B", "I")
 
 
 @dataclass(frozen=True)
@@ -80,14 +79,13 @@ def _zb_h1_orders(p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...
     ``k`` whose schedule finishes first (ties: the smaller k, less memory). Early stages fill their
     cool-down waits with W's, later stages hold more micro-batches than under 1F1B but never more than
     its first stage does."""
-    best: Optional[tuple[int, int, list[list[tuple[str, int, int]]]]] = None
-    for k in range(p + 1):
-        limits = [min(p, p - r + k) for r in range(p)]
-        makespan, orders = _list_schedule(p, m, limits)
+    best: Optional[tuple[int, list[list[tuple[str, int, int]]]]] = None
+    for k in range(p + 1):  # in increasing k: a tie keeps the smaller
+        makespan, orders = _list_schedule(p, m, [min(p, p - r + k) for r in range(p)])
         if best is None or makespan < best[0]:
-            best = (makespan, k, orders)
+            best = (makespan, orders)
     assert best is not None
-    return tuple(tuple(o) for o in best[2])
+    return tuple(tuple(o) for o in best[1])
 
 
 def _list_schedule(p: int, m: int, limits: list[int]) -> tuple[int, list[list[tuple[str, int, int]]]]:
