@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from lightning_3d import rank_zero
 from lightning_3d.layout_rules import (
     CONTEXT_PARALLEL_MODES,
+    V_SHAPED,
     ModelLike,
     Refusal,
     batch_refusals,
@@ -25,7 +26,7 @@ from lightning_3d.layout_rules import (
 )
 from lightning_3d.topology import Degree, ParallelDims
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -98,8 +99,13 @@ class ParallelConfig:
             "pipeline_schedule",
             self.pipeline_schedule,
             PIPELINE_SCHEDULES,
-            {"interleaved": "interleaved_1f1b", "fill_drain": "gpipe", "zbh1": "zb_h1", "zero_bubble": "zb_h1"},
+            {
+                "interleaved": "interleaved_1f1b", "fill_drain": "gpipe", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
+                "zbv": "zb_v", "dualpipev": "dualpipe_v", "dualpipe": "dualpipe_v",
+            },
         )
+        if self.pipeline_schedule in V_SHAPED and self.virtual_stages == 1:
+            self.virtual_stages = 2  # the V's two chunks per rank are what these schedules are
         if self.micro_batches is not None:
             _positive_int("micro_batches", self.micro_batches)
         _positive_int("virtual_stages", self.virtual_stages)

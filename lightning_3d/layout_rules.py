@@ -24,6 +24,7 @@ from typing import Any, Optional, Protocol, Union
 from lightning_3d.topology import ParallelDims
 
 INTERLEAVED = "interleaved_1f1b"
+V_SHAPED = ("zb_v", "dualpipe_v")  # two chunks per rank in a V (lightning_3d.pipeline.schedules)
 CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 
@@ -107,7 +108,19 @@ def feature_refusals(
     """Combinations of options the strategy refuses whatever the model and world (values already
     normalized as ``ParallelConfig`` does: schedule names, ``"none"`` for no offload)."""
     out: list[Refusal] = []
-    if virtual_stages > 1 and schedule != INTERLEAVED:
+    if schedule in V_SHAPED and virtual_stages != 2:
+        out.append(Refusal(
+            "v_schedule_two_chunks",
+            f"pipeline_schedule={schedule!r} places exactly two chunks per rank in a V (got virtual_stages="
+            f"{virtual_stages}); leave virtual_stages at 1 or 2, or use pipeline_schedule='interleaved_1f1b' for more.",
+        ))
+    if micro_batches is not None and schedule == "dualpipe_v" and micro_batches < 2 * pp:
+        out.append(Refusal(
+            "dualpipe_v_micro_batches",
+            f"pipeline_schedule='dualpipe_v' needs at least 2 x pipeline_parallel = {2 * pp} micro-batches (got "
+            f"micro_batches={micro_batches}); raise micro_batches or use pipeline_schedule='zb_v'.",
+        ))
+    if virtual_stages > 1 and schedule != INTERLEAVED and schedule not in V_SHAPED:
         out.append(Refusal(
             "virtual_stages_need_interleaved",
             f"virtual_stages={virtual_stages} needs pipeline_schedule='interleaved_1f1b' (got {schedule!r}); set the "

@@ -29,7 +29,19 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from lightning_3d.collectives import current_compute_device
 from lightning_3d.loss_normalization import data_parallel_factor
 from lightning_3d.pipeline.partition import Method, describe, partition
-from lightning_3d.pipeline.schedules import Action, Post, Step, Wait, build_plan, headers_of, message_of, peer_of
+from lightning_3d.pipeline.schedules import (
+    V_SHAPED,
+    Action,
+    Post,
+    Step,
+    Wait,
+    build_plan,
+    headers_of,
+    message_of,
+    peer_of,
+    piece_of,
+    place,
+)
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.tensor_parallel.plans import shared_parameters
 from lightning_3d.tensor_parallel.random import PIPELINE_STAGE_RNG, RNGStatesTracker
@@ -68,9 +80,11 @@ class PipelineConfig:
 
 def default_micro_batches(batch: int, p: int, schedule: str) -> int:
     """The smallest divisor of the batch that is at least the pipeline depth (a multiple of it for the
-    interleaved schedule); the whole batch, one sample each, when none exists."""
+    interleaved schedule, twice it for the V-shaped ones); the whole batch, one sample each, when none
+    exists."""
+    depth = 2 * p if schedule in V_SHAPED else p
     for m in range(1, batch + 1):
-        if batch % m == 0 and m >= p and (schedule != "interleaved_1f1b" or m % p == 0):
+        if batch % m == 0 and m >= depth and (schedule != "interleaved_1f1b" or m % p == 0):
             return m
     return batch
 
@@ -113,6 +127,7 @@ class PipelineRuntime:
         self.model, self.sequence, self.topology, self.config = model, sequence, topology, config
         self.p, self.rank = topology.dims.pp, topology.pp_rank
         self.pieces = self.p * config.virtual_stages
+        self.v_shape = config.schedule in V_SHAPED  # pieces r and 2p-1-r on rank r: the last piece on rank 0
         self.grad_sync_blocker, self.loss_scale = grad_sync_blocker, loss_scale
         self.rng_tracker = rng_tracker
         weights = self._layer_weights() if config.partition == "parameters" else ()
@@ -142,7 +157,11 @@ class PipelineRuntime:
 
     @property
     def owns_last(self) -> bool:
-        return (self.pieces - 1) % self.p == self.rank
+        return self._last_stage() == self.rank
+
+    def _last_stage(self) -> int:
+        """The pipeline rank holding the last piece (the head, the loss)."""
+        return place(self.p, self.pieces - 1, self.v_shape)[0]
 
     def _set(self, path: str, module: nn.Module) -> None:
         parent, _, child = path.rpartition(".")
@@ -151,7 +170,8 @@ class PipelineRuntime:
     def _prune(self) -> None:
         """Keep only this rank's layers; remember weights tied across the first and last stage."""
         ties = shared_parameters(self.model)
-        owned = {i for k in range(self.rank, self.pieces, self.p) for i in range(*self.ranges[k])}
+        chunks = range(self.config.virtual_stages)
+        owned = {i for c in chunks for i in range(*self.ranges[piece_of(self.p, self.rank, c, self.v_shape)])}
         for i in range(len(self.sequence.blocks)):
             if i not in owned:
                 self.sequence.blocks[i] = PipelineStub()
@@ -159,7 +179,7 @@ class PipelineRuntime:
             if not keep:
                 for path in paths:
                     self._set(path, PipelineStub())
-        if self.p == 1:
+        if self._last_stage() == 0:  # the first and last piece on one rank: a tie is one parameter already
             return
         embed = set(self.sequence.embed_modules)
         head = set(self.sequence.head_modules)
@@ -410,7 +430,7 @@ class PipelineRuntime:
         return current_compute_device()
 
     def _last_rank(self) -> int:
-        return self.topology.dims.rank_of(self.topology.coords._replace(pp=(self.pieces - 1) % self.p))
+        return self.topology.dims.rank_of(self.topology.coords._replace(pp=self._last_stage()))
 
     def _broadcast_scalar(self, value: Optional[Tensor]) -> Tensor:
         out = value.reshape(()).float() if value is not None else torch.zeros((), device=self._device())

@@ -1,7 +1,9 @@
 """Pipeline schedules as data: one list of actions per pipeline rank.
 
 The model is cut into ``p * v`` consecutive *pieces*; piece ``k`` lives on rank ``k % p`` as its
-local chunk ``k // p`` (``v > 1`` is Megatron's interleaved layout). An action is a forward or
+local chunk ``k // p`` (``v > 1`` is Megatron's interleaved layout), except under the V-shaped
+schedules (``zb_v``, ``dualpipe_v``: two chunks per rank), where rank ``r`` holds pieces ``r`` and
+``2p - 1 - r``, so the first and the last piece share rank 0 (:func:`piece_of`, :func:`place`). An action is a forward or
 backward of micro-batch ``m`` on a chunk, or the send/receive of an activation or a gradient.
 Receives come right before the compute that needs them and sends right after the compute that
 produced them. The same data drives the runtime, the deadlock/bubble simulator and the tests.
@@ -19,12 +21,28 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Union
 
+from lightning_3d.layout_rules import V_SHAPED
+
 Kind = Literal["F", "B", "I", "W", "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")
+# V_SHAPED: two chunks per rank placed in a V (Qi et al. 2023, section 6; DeepSeek's DualPipeV): the
+# micro-batch goes down the ranks through chunk 0 and back up through chunk 1.
 # Compute kinds: F forward; B whole backward; I its input-gradient half (what the previous stage
 # waits for) and W its weight-gradient half (needed by nobody until the optimizer step), which the
 # zero-bubble schedules run apart to fill the pipeline's bubbles (Qi et al. 2023).
 COMPUTE = ("F", "B", "I", "W")
+
+
+def piece_of(p: int, rank: int, chunk: int, v_shape: bool = False) -> int:
+    """The piece a rank holds as its local ``chunk``."""
+    return 2 * p - 1 - rank if v_shape and chunk == 1 else chunk * p + rank
+
+
+def place(p: int, piece: int, v_shape: bool = False) -> tuple[int, int]:
+    """(rank, local chunk) holding ``piece``: the inverse of :func:`piece_of`."""
+    if v_shape:
+        return (piece, 0) if piece < p else (2 * p - 1 - piece, 1)
+    return piece % p, piece // p
 
 
 @dataclass(frozen=True)
@@ -32,9 +50,10 @@ class Action:
     kind: Kind
     micro: int
     chunk: int
+    v_shape: bool = False  # the placement of the schedule it belongs to (see piece_of)
 
     def piece(self, p: int, rank: int) -> int:
-        return self.chunk * p + rank
+        return piece_of(p, rank, self.chunk, self.v_shape)
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.micro}" + (f"c{self.chunk}" if self.chunk else "")
@@ -44,6 +63,10 @@ def _compute_order(name: str, p: int, m: int, v: int, rank: int, extra_warmup: i
     """(F|B|I|W, micro, chunk) in execution order for one rank."""
     if name == "zb_h1":
         return list(_zb_h1_orders(p, m)[rank])
+    if name == "zb_v":
+        return _zb_v_order(p, m, rank)
+    if name == "dualpipe_v":  # a (ragged) batch of fewer than 2p micro-batches runs ZB-V's order: same V
+        return _dualpipe_v_order(p, m, rank) if m >= 2 * p else _zb_v_order(p, m, rank)
     if name == "gpipe":
         return [("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v)) for i in reversed(range(m))]
     if name == "1f1b" and v == 1:
@@ -128,6 +151,86 @@ def _list_schedule(p: int, m: int, limits: list[int]) -> tuple[int, list[list[tu
     return t, orders
 
 
+class _Order:
+    """A rank's compute order written chunk by chunk: each kind takes its chunk's next micro-batch;
+    ``W()`` finishes the oldest input-gradient half still waiting for its weights' half."""
+
+    def __init__(self) -> None:
+        self.out: list[tuple[str, int, int]] = []
+        self.next: dict[tuple[str, int], int] = defaultdict(int)
+        self.waiting: list[tuple[int, int]] = []  # (micro, chunk) whose I ran and W has not
+
+    def add(self, kind: str, chunk: int) -> None:
+        counter = "I" if kind in ("B", "I") else kind  # a whole backward B counts as that micro-batch's I and W
+        micro = self.next[(counter, chunk)]
+        self.next[(counter, chunk)] += 1
+        self.out.append((kind, micro, chunk))
+        if kind == "I":
+            self.waiting.append((micro, chunk))
+
+    def W(self, chunk: Optional[int] = None) -> None:
+        """The oldest waiting W (of ``chunk`` if given); nothing if none waits."""
+        for j, (micro, c) in enumerate(self.waiting):
+            if chunk is None or c == chunk:
+                del self.waiting[j]
+                self.out.append(("W", micro, c))
+                return
+
+    def repeat(self, times: int, *kinds: tuple[str, Optional[int]]) -> None:
+        for _ in range(max(times, 0)):
+            for kind, chunk in kinds:
+                if kind == "W":
+                    self.W(chunk)
+                else:
+                    assert chunk is not None
+                    self.add(kind, chunk)
+
+
+def _zb_v_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """ZB-V (Qi et al. 2023, section 6): a V of two chunks per rank; with F = I = W it leaves no
+    bubble once m >= 2p - 1 while holding 1F1B's peak activations (2p half-size chunks on rank 0).
+    Warm-up: chunk-0 forwards until the V's bottom turns them around, then F1 I1 W1 triples; steady:
+    F0 I0 W0 F1 I1 W1; cool-down: the input halves first, weights' halves last. Written for
+    ``max(m, 2p - 1)`` micro-batches; with fewer, the missing ones are left out (every rank drops the
+    same, so what remains still meets)."""
+    n = max(m, 2 * p - 1)
+    o = _Order()
+    o.repeat(2 * (p - r) - 1, ("F", 0))
+    o.repeat(r, ("F", 1), ("F", 0))
+    o.repeat(p - r, ("F", 1), ("I", 1), ("W", 1))
+    while o.next[("F", 1)] < o.next[("F", 0)] or o.next[("F", 0)] < n:
+        if o.next[("F", 0)] < n:
+            o.add("F", 0)
+        o.repeat(1, ("I", 0), ("W", 0), ("F", 1), ("I", 1), ("W", 1))
+    o.repeat(r, ("I", 0), ("I", 1))
+    o.repeat(p - r, ("I", 0), ("W", 0))
+    o.repeat(len(o.waiting), ("W", 1))
+    o.repeat(len(o.waiting), ("W", 0))
+    return [a for a in o.out if a[1] < m]
+
+
+def _dualpipe_v_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V, so parameters are held once): after the
+    warm-up every forward of one chunk is paired with a whole backward of the other (F0 B1, F1 B0),
+    the pairs whose communication DualPipe overlaps with compute; the edges of the step use split
+    backwards whose weight halves fill the waits. Needs m >= 2p. Here a pair runs as its forward then
+    its backward (no second stream)."""
+    o = _Order()
+    o.repeat(2 * (p - r - 1), ("F", 0))
+    o.repeat(r + 1, ("F", 0), ("F", 1))
+    o.repeat(p - r - 1, ("I", 1), ("W", None), ("F", 1))
+    o.repeat(m - 2 * p + r + 1, ("F", 0), ("B", 1), ("F", 1), ("B", 0))
+    o.repeat(p - r - 1, ("B", 1), ("F", 1), ("B", 0))
+    split = False  # the last backwards split into I and W, from about half way through this phase
+    for i in range(r + 1):
+        for chunk in (1, 0):
+            split = split or (i == (r + 1) // 2 and r % 2 == chunk)
+            o.add("I" if split else "B", chunk)
+    o.repeat(p - r - 1, ("W", None), ("I" if split else "B", 0))
+    o.repeat(len(o.waiting), ("W", None))
+    return o.out
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
     """Actions for every pipeline rank. ``forward_only`` is for validation, test and predict."""
     return _build(name, p, m, v, forward_only)[0]
@@ -139,7 +242,9 @@ def _build(name: str, p: int, m: int, v: int, forward_only: bool) -> tuple[list[
         raise ValueError(f"pipeline_schedule={name!r} is not supported; choose one of {SCHEDULES}.")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline schedule needs p, m, v >= 1 (got p={p}, m={m}, v={v}).")
-    if name != "interleaved_1f1b" and v != 1:
+    if name in V_SHAPED and v != 2:
+        raise ValueError(f"pipeline_schedule={name!r} places two chunks per rank in a V: virtual_stages must be 2 (got {v}).")
+    if name not in V_SHAPED and name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"virtual_stages={v} needs pipeline_schedule='interleaved_1f1b' (got {name!r}).")
     if name != "interleaved_1f1b" or not m % p or forward_only:
         return _actions(name, p, m, v, forward_only, 0), False
@@ -182,6 +287,7 @@ def build_plan(name: str, p: int, m: int, v: int = 1, forward_only: bool = False
 
 def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup: int) -> list[list[Action]]:
     last = p * v - 1
+    vee = name in V_SHAPED
     ranks = []
     for rank in range(p):
         order = _compute_order(name, p, m, v, rank, extra_warmup)
@@ -189,21 +295,21 @@ def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup
             order = [c for c in order if c[0] == "F"]
         actions: list[Action] = []
         for kind, micro, chunk in order:
-            piece = chunk * p + rank
+            piece = piece_of(p, rank, chunk, vee)
             if kind == "F":
                 if piece > 0:
-                    actions.append(Action("RECV_ACT", micro, chunk))
-                actions.append(Action("F", micro, chunk))
+                    actions.append(Action("RECV_ACT", micro, chunk, vee))
+                actions.append(Action("F", micro, chunk, vee))
                 if piece < last:
-                    actions.append(Action("SEND_ACT", micro, chunk))
+                    actions.append(Action("SEND_ACT", micro, chunk, vee))
             elif kind == "W":
-                actions.append(Action("W", micro, chunk))
+                actions.append(Action("W", micro, chunk, vee))
             else:
                 if piece < last:
-                    actions.append(Action("RECV_GRAD", micro, chunk))
-                actions.append(Action(kind, micro, chunk))  # type: ignore[arg-type]
+                    actions.append(Action("RECV_GRAD", micro, chunk, vee))
+                actions.append(Action(kind, micro, chunk, vee))  # type: ignore[arg-type]
                 if piece > 0:
-                    actions.append(Action("SEND_GRAD", micro, chunk))
+                    actions.append(Action("SEND_GRAD", micro, chunk, vee))
         ranks.append(actions)
     return ranks
 
@@ -212,7 +318,7 @@ def peer_of(action: Action, p: int, rank: int) -> tuple[int, int]:
     """(peer rank, peer's chunk) this communication action talks to."""
     piece = action.piece(p, rank)
     other = piece + 1 if action.kind in ("SEND_ACT", "RECV_GRAD") else piece - 1
-    return other % p, other // p
+    return place(p, other, action.v_shape)
 
 
 def is_compute(action: Action) -> bool:
@@ -245,7 +351,7 @@ class Wait:
 
 
 # A rank's plan: compute actions (F, B, I, W), Post, Wait, and bare communication actions for a message
-# to the rank itself (p == 1 with virtual stages), which are handed over locally.
+# to the rank itself (p == 1 with virtual stages; the V's bottom rank), which are handed over locally.
 Step = Union[Action, Post, Wait]
 
 
@@ -295,7 +401,7 @@ def message_of(action: Action, p: int, rank: int) -> tuple[str, int, int]:
     """A communication action's message, named alike on both ends: (ACT|GRAD, micro, receiving piece)."""
     if is_send(action):
         peer, peer_chunk = peer_of(action, p, rank)
-        return (action.kind[5:], action.micro, peer_chunk * p + peer)
+        return (action.kind[5:], action.micro, piece_of(p, peer, peer_chunk, action.v_shape))
     return (action.kind[5:], action.micro, action.piece(p, rank))
 
 
@@ -347,9 +453,13 @@ def _unit_rounds(schedule: list[list[Action]]) -> list[dict[int, int]]:
 def _rank_plan(actions: list[Action], p: int, rank: int, rounds: dict[int, int], ready: dict[tuple, int]) -> list[Step]:
     if p == 1:  # every message goes to the rank itself: handed over locally, in the rank's own order
         return list(actions)
+
+    def local(action: Action) -> bool:  # a message between two pieces of this rank (the V's bottom)
+        return peer_of(action, p, rank)[0] == rank
+
     at: dict[int, list[Action]] = defaultdict(list)  # boundary k (right before round k) -> what this rank exchanges
     for action in actions:
-        if not is_compute(action):
+        if not is_compute(action) and not local(action):
             at[ready[message_of(action, p, rank)]].append(action)
     plan: list[Step] = []
     unwaited: dict[int, frozenset[int]] = {}  # posted item -> its peers
@@ -370,7 +480,9 @@ def _rank_plan(actions: list[Action], p: int, rank: int, rounds: dict[int, int],
     receives: list[Action] = []  # those the next compute uses
     for i, action in enumerate(actions):
         if not is_compute(action):
-            if not is_send(action):
+            if local(action):
+                plan.append(action)  # handed over in place, no wire
+            elif not is_send(action):
                 receives.append(action)
             continue
         post_until(rounds[i])
@@ -406,8 +518,16 @@ def headers_of(post: Post, new_shape: Callable[[Action], bool]) -> tuple[tuple[A
 def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of a step with a backward twice a forward (I = W = F): (p-1)/(m+p-1) for GPipe
     and 1F1B; interleaving divides the pipeline fill by v: ((p-1)/v) / (m + (p-1)/v); ZB-H1 leaves
-    p-1 of 1F1B's 3(p-1) idle units per stage: (p-1) / (3m + p-1)."""
+    p-1 of 1F1B's 3(p-1) idle units per stage: (p-1) / (3m + p-1). The V-shaped schedules (F = I = W = 1
+    per half-size chunk, 6m units of work per rank) leave p-1 units: (p-1) / (6m + p-1), half of
+    ZB-H1's, once m >= 2p - 1 (below that, the schedule's own simulation; with m < 2p dualpipe_v runs ZB-V's order)."""
     if name == "zb_h1":
         return (p - 1) / (3 * m + p - 1)
+    if name in V_SHAPED:
+        if m >= 2 * p - 1:
+            return (p - 1) / (6 * m + p - 1)
+        from lightning_3d.pipeline.simulator import simulate
+
+        return simulate(build_schedule(name, p, m, 2)).bubble
     fill = (p - 1) / (v if name == "interleaved_1f1b" else 1)
     return fill / (m + fill)

@@ -194,7 +194,7 @@ class _StrictRun:
         self.header_item: list[Optional[tuple[int, _Item]]] = [None] * p  # (pointer, header item) being waited
         self.waited: list[set[int]] = [set() for _ in range(p)]
         self.visible: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]  # receives the host waited for
-        self.local: set[tuple[str, int, int]] = set()  # local hand-offs: (kind, micro, chunk) on rank 0
+        self.local: set[tuple[int, str, int, int]] = set()  # local hand-offs: (rank, kind, micro, chunk)
         self.queues: dict[tuple[int, ...], deque[_Item]] = defaultdict(deque)
         self.free: dict[tuple[int, ...], float] = defaultdict(float)  # when a queue's last item left
         self.sends: dict[tuple[int, int], list[_Op]] = defaultdict(list)  # (sender, receiver) -> sends in order
@@ -210,9 +210,9 @@ class _StrictRun:
         p, by_peer = self.p, self.fifo == "peer"
         for action, header in ops:
             send = action.kind[0] == "S"
-            piece = action.chunk * p + rank
+            piece = action.piece(p, rank)
             receiver = (piece + 1 if action.kind == "SEND_ACT" else piece - 1) if send else piece
-            peer = (piece + 1 if action.kind in ("SEND_ACT", "RECV_GRAD") else piece - 1) % p
+            peer = peer_of(action, p, rank)[0]
             op = _Op(action, header, send, peer, (action.kind[5:], action.micro, receiver, header), item)
             item.ops.append(op)
             queue = (rank, peer) if by_peer else (rank,)
@@ -296,9 +296,9 @@ class _StrictRun:
             return True
         # a message to this very rank (p == 1): handed over locally
         if is_send(step):
-            self.local.add((step.kind.replace("SEND", "RECV"), step.micro, peer_of(step, self.p, rank)[1]))
+            self.local.add((rank, step.kind.replace("SEND", "RECV"), step.micro, peer_of(step, self.p, rank)[1]))
             return True
-        if (step.kind, step.micro, step.chunk) not in self.local:
+        if (rank, step.kind, step.micro, step.chunk) not in self.local:
             raise PlanError(f"rank {rank} takes {step!r} from itself before handing it over")
         self.visible[rank].add((step.kind, step.micro, step.chunk))
         return True
