@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -64,6 +64,17 @@ class StepStats:
     busy_s: float = 0.0
     max_in_flight: int = 0
     micro_batches: int = 0
+    compute_s: dict[str, float] = field(default_factory=dict)  # seconds per compute kind (F, B, I, W)
+    computes: dict[str, int] = field(default_factory=dict)  # how many of each ran
+
+    def count(self, kind: str, seconds: float) -> None:
+        self.busy_s += seconds
+        self.compute_s[kind] = self.compute_s.get(kind, 0.0) + seconds
+        self.computes[kind] = self.computes.get(kind, 0) + 1
+
+    def mean_costs(self) -> dict[str, float]:
+        """Mean seconds of one compute of each kind (what :func:`simulate` takes as ``costs``)."""
+        return {k: self.compute_s[k] / n for k, n in self.computes.items() if n}
 
     @property
     def idle_fraction(self) -> float:
@@ -346,7 +357,7 @@ class PipelineRuntime:
                     if train:
                         stored[key] = (x, out)
                 stats.max_in_flight = max(stats.max_in_flight, len(stored) + len(held))  # alive until B, or W
-                stats.busy_s += time.perf_counter() - t0
+                stats.count(step.kind, time.perf_counter() - t0)
             elif step.kind in ("B", "I"):
                 t0 = time.perf_counter()
                 key = (step.micro, step.chunk)
@@ -361,11 +372,11 @@ class PipelineRuntime:
                     x_grad, held[key] = self._input_gradient(piece, target, grad, x, parameters)
                 if x is not None:  # a piece that did not use its input still owes its peer a gradient
                     wire.outgoing[("SEND_GRAD", *key)] = x_grad if x_grad is not None else torch.zeros_like(x)
-                stats.busy_s += time.perf_counter() - t0
+                stats.count(step.kind, time.perf_counter() - t0)
             elif step.kind == "W":
                 t0 = time.perf_counter()
                 self._weight_gradient(held.pop((step.micro, step.chunk)), parameters)
-                stats.busy_s += time.perf_counter() - t0
+                stats.count(step.kind, time.perf_counter() - t0)
             else:
                 wire.hand_over(step)
         assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"

@@ -24,7 +24,7 @@ Two models:
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -78,7 +78,10 @@ def simulate(
     forward_time: float = 1.0,
     backward_time: float = 2.0,
     comm_time: float = 0.0,
+    costs: Optional[Mapping[str, float]] = None,
 ) -> Simulation:
+    """``costs``: seconds per compute kind (F, B, I, W) measured on real ranks, overriding the unit
+    model, so a measured bubble can be set against what the schedule itself leaves at those costs."""
     p = len(schedule)
     pointer = [0] * p
     clock = [0.0] * p
@@ -103,7 +106,7 @@ def simulate(
                     kind = "ACT" if action.kind == "SEND_ACT" else "GRAD"
                     sent[(kind, action.micro, peer, peer_chunk)] = clock[rank] + comm_time
                 else:
-                    cost = compute_time(action.kind, forward_time, backward_time)
+                    cost = costs[action.kind] if costs and action.kind in costs else compute_time(action.kind, forward_time, backward_time)
                     clock[rank] += cost
                     busy[rank] += cost
                     alive[rank] += in_flight_change(action.kind)
