@@ -24,12 +24,14 @@ from typing import Callable, Optional
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-USAGE = """usage: lightning-3d [--version] {fit,validate,test,predict,plan,prepare,consolidate,export} ...
+USAGE = """usage: lightning-3d [--version] {fit,validate,test,predict,plan,dry-run,prepare,consolidate,export} ...
 
   fit, validate, test, predict   LightningCLI over GPTModule + TextDataModule, or your own
                                  --model path.to.MyModule / --data path.to.MyData
                                  (lightning-3d fit --help lists every flag)
   plan [OVERRIDES] [--layout ...]  rank 3D layouts for a model on a cluster (docs/planner.md)
+  dry-run [OVERRIDES] [--layout ...]  set up and step a layout's representative ranks on the meta
+                                 device, next to the plan; exit 1 if a rank does not fit (docs/dry_run.md)
   prepare OUT INPUT [INPUT ...]  tokenize text files as bytes into OUT (.bin + .bin.json)
   consolidate CKPT_DIR OUT       a sharded checkpoint as one dense .pt/.ckpt/.safetensors file
   export CKPT_DIR OUT_DIR        a Hugging Face model directory (from_pretrained-loadable;
@@ -41,6 +43,7 @@ examples:
   lightning-3d fit --model my_project.MyModule --data my_project.MyData --trainer.strategy=3d --trainer.devices=2
   lightning-3d fit --model.init_from=HF_DIR --data.block_size=128 --trainer.strategy=lightning_3d.ThreeDParallelStrategy --trainer.strategy.tensor_parallel=2
   lightning-3d plan model=bloom_176b cluster=jean_zay_bloom data.global_batch_size=2048
+  lightning-3d dry-run recipe=llama3_405b
   lightning-3d prepare data/corpus.bin ~/texts && lightning-3d fit --data.source=data/corpus.bin
 """
 
@@ -97,6 +100,12 @@ def export_main(argv: list[str]) -> int:
 
 def plan_main(argv: list[str]) -> int:
     from lightning_3d.planner.cli import plan_main as run
+
+    return run(argv)
+
+
+def dry_run_main(argv: list[str]) -> int:
+    from lightning_3d.dry_run.cli import dry_run_main as run
 
     return run(argv)
 
@@ -250,7 +259,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
     if argv[0] in ("-V", "--version"):
         print(f"lightning-3d {version()}")
         return 0
-    commands = {"plan": plan_main, "prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
+    commands = {"plan": plan_main, "dry-run": dry_run_main, "prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
     if argv[0] in commands:
         return _run(argv[0], lambda: commands[argv[0]](argv[1:]))
     if argv[0] in LIGHTNING_SUBCOMMANDS:

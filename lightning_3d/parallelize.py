@@ -158,13 +158,15 @@ def _materialize(module: nn.Module, config: ParallelConfig, device: torch.device
     ZeRO stages 0-2: after the plan, recompute and pipeline split, so each rank reads only its
     slices of its stage's weights. Returns True when the model stays on the meta device for ZeRO-3
     to materialize shard by shard (``ZeroCoordinator.prepare_module``: random init, or the
-    pretrained weights of each rank's chunks); any other stage refuses a meta model.
+    pretrained weights of each rank's chunks); any other stage refuses a meta model -- unless the
+    target device is the meta device itself: a dry run (:mod:`lightning_3d.dry_run`) sets up every
+    stage on meta tensors, and the model stays there.
     """
     on_meta = any(p.is_meta for p in module.parameters())
     if on_meta and config.zero_stage != 3 and has_pretrained(module):
         load_pretrained_(module, device)
         on_meta = any(p.is_meta for p in module.parameters())
-    if on_meta and config.zero_stage != 3:
+    if on_meta and config.zero_stage != 3 and device.type != "meta":
         raise ValueError(
             f"the model was built on the meta device, which only zero_stage=3 materializes (shard by shard); "
             f"got zero_stage={config.zero_stage}. Build it on a real device, or use zero_stage=3."

@@ -43,7 +43,12 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
             f"parallel=auto: no layout fits model={cfg.model} on cluster {cfg.cluster.name}; "
             f"add nodes or use a smaller model (lightning-3d plan ... shows why)."
         )
-    best = usable[0]
+    return apply_layout(cfg, usable[0], global_batch), usable[0]
+
+
+def apply_layout(cfg: DictConfig, best: Estimate, global_batch: int) -> DictConfig:
+    """``cfg`` running ``best``'s layout (its keys replace the planned ``cfg.parallel`` keys); with
+    several micro-batches and no pipeline, gradient accumulation. Modifies and returns ``cfg``."""
     kwargs = best.layout.strategy_kwargs(global_batch, best.split_points)
     m = best.layout.micro_batches(global_batch)
     with open_dict(cfg):
@@ -57,7 +62,7 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
         else:
             cfg.trainer.accumulate_grad_batches = 1
             cfg.data.global_batch_size = global_batch
-    return cfg, best
+    return cfg
 
 
 def layout_of(cfg: DictConfig, world_size: int) -> Layout:

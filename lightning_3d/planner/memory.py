@@ -152,3 +152,25 @@ def activation_bytes(
         working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element, opts.cp)
         recompute = layer_activation_bytes(model, micro_batch, working)
     return {"stored": stored, "recompute": recompute}
+
+
+def stage_in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int, stage: int) -> float:
+    """Micro-batches' worth of its layer activations pipeline stage ``stage`` holds at its peak (in
+    units of its layers x one micro-batch). 1F1B: ``min(pp - stage, m)``; interleaved: the warm-up
+    of Narayanan et al. 2021 ((pp - stage - 1) x 2 + (v - 1) pp + 1 pieces, over v), which is
+    :func:`activations_in_flight`'s Korthikanti formula on the first stage; GPipe: all ``m``; the
+    last stage: :func:`last_stage_in_flight`; ZB-H1: its simulation."""
+    if pp == 1:
+        return 1.0
+    if stage == pp - 1:
+        return last_stage_in_flight(schedule, pp, micro_batches)
+    if stage == 0:
+        return activations_in_flight(schedule, pp, micro_batches, virtual_stages)
+    if schedule == "gpipe":
+        return float(micro_batches)
+    if schedule == "zb_h1":
+        return float(zb_h1_pipeline(pp, micro_batches).in_flight[stage])
+    if schedule == "interleaved_1f1b" and virtual_stages > 1:
+        v = virtual_stages
+        return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, micro_batches * v) / v
+    return float(min(pp - stage, micro_batches))

@@ -417,45 +417,13 @@ class Planner:
 
         # ---- memory, on the first stage (most activations in flight) and the last (head) ----
         in_flight = activations_in_flight(layout.schedule, pp, m, v)
-        act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp)
-        layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
-        embed_psi = model.embedding_params / t
-        head_psi = model.head_params / t if not model.tied_embeddings else model.hidden * (2 if model.bias else 1)
-        stages = [(0, layers[0] * layer_psi + embed_psi + (head_psi if pp == 1 else 0), in_flight, pp == 1)]
+        stages = [(0, in_flight)]
         if pp > 1:
-            last_psi = layers[-1] * layer_psi + head_psi + (embed_psi if model.tied_embeddings else 0)
-            last_in_flight = last_stage_in_flight(layout.schedule, pp, m)  # 1F1B: 1, each micro-batch finishes at once
-            stages.append((pp - 1, last_psi, last_in_flight, True))
+            stages.append((pp - 1, last_stage_in_flight(layout.schedule, pp, m)))  # 1F1B: 1, each micro-batch finishes at once
         best_memory: Optional[dict[str, float]] = None
         psi_max = 0.0
-        for index, psi, flight, has_head in stages:
-            grad_bytes = c + (p.software.extra_grad_bytes if c == 2.0 else 0.0)
-            states = zero_model_state_bytes(psi, layout.zero_stage, d * cp, k=k, c=c, grad_bytes=grad_bytes)  # ZeRO spans dp x cp
-            if layout.offload != "none":
-                states["optimizer"] = 0.0
-                if layout.zero_stage == 3:
-                    states["params"] = states["grads"] = 0.0
-            pending = flight - 1 if layout.schedule == "zb_h1" and has_head and pp > 1 else 0.0  # held-back W's
-            activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head, pending)
-            buffers = 0.0
-            if layout.zero_stage >= 1:  # two in-flight reduce buckets of the stack's size, at most the grads
-                bucket = p.software.grad_bucket_mb * 2**20 or psi * p.software.grad_reduce_bytes
-                buffers += 2 * min(bucket, psi * p.software.grad_reduce_bytes)
-            if layout.zero_stage == 3:  # the gathered unit + the prefetched one: a layer, or a tensor
-                unit = max(model.layer_tensor_sizes(t)) if p.software.zero3_per_parameter else model.layer_sharded_params / t
-                buffers += 2 * c * unit
-            if pp > 1:
-                buffers += 2 * c * mb * local_seq * model.hidden / (t if layout.sequence_parallel else 1)
-            if cp > 1:
-                buffers += self._cp_buffer_bytes(layout)
-            memory = {
-                **states,
-                "activations": activations["stored"],
-                "recompute": activations["recompute"],
-                "buffers": buffers,
-                "reserved": cluster.device.reserved_gb * 1e9,
-            }
-            memory["total"] = sum(memory.values())
+        for index, flight in stages:
+            psi, memory = self.stage_memory(layout, layers, index, flight)
             if best_memory is None or memory["total"] > best_memory["total"]:
                 best_memory = memory
             psi_max = max(psi_max, psi)
@@ -554,6 +522,60 @@ class Planner:
             comm=comm,
             caveats=caveats,
         )
+
+    def stage_psi(self, layout: Layout, layers: list[int], index: int) -> float:
+        """Parameters pipeline stage ``index`` holds on one tensor-parallel rank: its layers' shares, the
+        vocab-parallel embedding on the first stage, the head (final norm, untied LM head) on the last,
+        and on the last the tied embedding's copy too."""
+        model, t, pp = self.problem.model, layout.tp, layout.pp
+        layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
+        embed_psi = model.embedding_params / t
+        head_psi = model.head_params / t if not model.tied_embeddings else model.hidden * (2 if model.bias else 1)
+        psi = layers[index] * layer_psi
+        if index == 0:
+            psi += embed_psi
+        if index == pp - 1:
+            psi += head_psi + (embed_psi if model.tied_embeddings and pp > 1 else 0)
+        return psi
+
+    def stage_memory(self, layout: Layout, layers: list[int], index: int, flight: float) -> tuple[float, dict[str, float]]:
+        """(psi, bytes by kind and ``total``) of pipeline stage ``index`` holding ``flight`` micro-batches'
+        activations of its layers at its peak."""
+        p, model, cluster = self.problem, self.problem.model, self.problem.cluster
+        c, k = self.c, self.k
+        t, pp, d, mb, cp = layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.cp
+        local_seq = model.seq_len / cp
+        has_head = index == pp - 1
+        psi = self.stage_psi(layout, layers, index)
+        act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp)
+        grad_bytes = c + (p.software.extra_grad_bytes if c == 2.0 else 0.0)
+        states = zero_model_state_bytes(psi, layout.zero_stage, d * cp, k=k, c=c, grad_bytes=grad_bytes)  # ZeRO spans dp x cp
+        if layout.offload != "none":
+            states["optimizer"] = 0.0
+            if layout.zero_stage == 3:
+                states["params"] = states["grads"] = 0.0
+        pending = flight - 1 if layout.schedule == "zb_h1" and has_head and pp > 1 else 0.0  # held-back W's
+        activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head, pending)
+        buffers = 0.0
+        if layout.zero_stage >= 1:  # two in-flight reduce buckets of the stack's size, at most the grads
+            bucket = p.software.grad_bucket_mb * 2**20 or psi * p.software.grad_reduce_bytes
+            buffers += 2 * min(bucket, psi * p.software.grad_reduce_bytes)
+        if layout.zero_stage == 3:  # the gathered unit + the prefetched one: a layer, or a tensor
+            unit = max(model.layer_tensor_sizes(t)) if p.software.zero3_per_parameter else model.layer_sharded_params / t
+            buffers += 2 * c * unit
+        if pp > 1:
+            buffers += 2 * c * mb * local_seq * model.hidden / (t if layout.sequence_parallel else 1)
+        if cp > 1:
+            buffers += self._cp_buffer_bytes(layout)
+        memory = {
+            **states,
+            "activations": activations["stored"],
+            "recompute": activations["recompute"],
+            "buffers": buffers,
+            "reserved": cluster.device.reserved_gb * 1e9,
+        }
+        memory["total"] = sum(memory.values())
+        return psi, memory
 
     def _cp_buffer_bytes(self, layout: Layout) -> float:
         """Transient bytes of one layer's cp attention (what the kernels allocate beyond the stored

@@ -31,9 +31,11 @@ def _storage_bytes(tensors: list[Tensor], seen: set[int]) -> int:
     for t in tensors:
         t = _local(t)
         storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
+        # meta tensors (a dry run, lightning_3d.dry_run) all read data pointer 0: tell their storages apart
+        key = storage._cdata if t.is_meta else storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
             continue
-        seen.add(storage.data_ptr())
+        seen.add(key)
         total += storage.nbytes()
     return total
 

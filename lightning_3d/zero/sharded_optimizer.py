@@ -384,6 +384,8 @@ class ZeroOptimizer:
         votes = torch.tensor(flags, device=device)
         if self.dp_size > 1:
             dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if votes.is_meta:  # a dry run (lightning_3d.dry_run) has no values: every parameter counts as used
+            return [[True] * len(b.params) for b in self.buckets]
         values = iter(votes.bool().tolist())
         return [[next(values) for _ in b.params] for b in self.buckets]
 

@@ -1,0 +1,258 @@
+"""What a dry run counts: bytes of meta tensors (once per storage), tensors saved for backward,
+and bytes handed to ``torch.distributed`` per process group.
+
+Meta tensors have no data pointer (every one reads 0), so storages are told apart by their
+``StorageImpl`` (``untyped_storage()._cdata``: views share it, as they share a data pointer on a
+real device).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import Tensor
+
+from lightning_3d.planner.traffic import ring
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_key(t: Tensor) -> Optional[int]:
+    """One key per storage, on the meta device as on a real one (``None``: no storage)."""
+    try:
+        storage = _local(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage._cdata if storage.nbytes() else None
+
+
+def storage_bytes(tensors: Iterable[Optional[Tensor]], seen: Optional[set[int]] = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each counted once, also across calls
+    sharing ``seen``)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        key = storage_key(t)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        total += _local(t).untyped_storage().nbytes()
+    return total
+
+
+class SavedBytes:
+    """Tensors autograd keeps for backward, counted once per storage, weights excluded: a
+    ``saved_tensors_hooks`` pair (``with torch.autograd.graph.saved_tensors_hooks(t.pack, t.unpack)``).
+
+    ``current`` is what is alive now (a saved tensor stops counting when autograd frees it, after
+    its backward), ``peak`` the most at any time."""
+
+    def __init__(self, exclude: Iterable[Tensor]) -> None:
+        self._exclude = {k for k in (storage_key(t) for t in exclude) if k is not None}
+        self._live: dict[int, list[int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def pack(self, tensor: Tensor) -> Any:
+        key = storage_key(tensor)
+        if key is None or key in self._exclude:
+            return tensor
+        entry = self._live.get(key)
+        if entry is None:
+            nbytes = _local(tensor).untyped_storage().nbytes()
+            self._live[key] = [1, nbytes]
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[0] += 1
+        return _Held(tensor, key, self)
+
+    @staticmethod
+    def unpack(held: Any) -> Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._live[key]
+
+    def holds(self, t: Tensor) -> bool:
+        return storage_key(t) in self._live
+
+    @contextmanager
+    def hooks(self) -> Iterator["SavedBytes"]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield self
+
+
+class _Held:
+    __slots__ = ("tensor", "key", "tracker")
+
+    def __init__(self, tensor: Tensor, key: int, tracker: SavedBytes) -> None:
+        self.tensor, self.key, self.tracker = tensor, key, tracker
+
+    def __del__(self) -> None:
+        self.tracker.release(self.key)
+
+
+# -- communication --------------------------------------------------------------------------------------------
+# Bytes per call: what this rank sends over the wire under NCCL's ring algorithms
+# (lightning_3d.planner.traffic.ring) for the tensor it hands over -- the buffer of an all-reduce or
+# broadcast, the input of a reduce-scatter or all-to-all, the output of an all-gather -- and for
+# point-to-point the tensor sent (receives are counted apart).
+def _nbytes(t: Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _group(args: tuple, kwargs: dict, i: int) -> Any:
+    return _arg(args, kwargs, i, "group")
+
+
+_SIZES: dict[str, Callable[[tuple, dict], tuple[int, Any]]] = {
+    "all_reduce": lambda a, k: (_nbytes(_arg(a, k, 0, "tensor")), _group(a, k, 2)),
+    "broadcast": lambda a, k: (_nbytes(_arg(a, k, 0, "tensor")), _group(a, k, 2)),
+    "reduce": lambda a, k: (_nbytes(_arg(a, k, 0, "tensor")), _group(a, k, 3)),
+    "all_gather_into_tensor": lambda a, k: (_nbytes(_arg(a, k, 0, "output_tensor")), _group(a, k, 2)),
+    "_all_gather_base": lambda a, k: (_nbytes(_arg(a, k, 0, "output_tensor")), _group(a, k, 2)),
+    "all_gather": lambda a, k: (sum(_nbytes(t) for t in _arg(a, k, 0, "tensor_list")), _group(a, k, 2)),
+    "all_gather_single": lambda a, k: (_nbytes(_arg(a, k, 0, "output_tensor")), _group(a, k, 2)),
+    "reduce_scatter_single": lambda a, k: (_nbytes(_arg(a, k, 1, "input")), _group(a, k, 3)),
+    "reduce_scatter_tensor": lambda a, k: (_nbytes(_arg(a, k, 1, "input")), _group(a, k, 3)),
+    "_reduce_scatter_base": lambda a, k: (_nbytes(_arg(a, k, 1, "input")), _group(a, k, 3)),
+    "reduce_scatter": lambda a, k: (sum(_nbytes(t) for t in _arg(a, k, 1, "input_list")), _group(a, k, 3)),
+    "all_to_all_single": lambda a, k: (_nbytes(_arg(a, k, 1, "input")), _group(a, k, 4)),
+    "all_to_all": lambda a, k: (sum(_nbytes(t) for t in _arg(a, k, 1, "input_tensor_list")), _group(a, k, 2)),
+}
+_KIND = {
+    name: ("all_reduce" if name == "all_reduce" else "broadcast" if name in ("broadcast", "reduce")
+           else "reduce_scatter" if "reduce_scatter" in name else "all_to_all" if "all_to_all" in name else "all_gather")
+    for name in _SIZES
+}
+_P2P = {"isend": True, "send": True, "irecv": False, "recv": False}
+
+
+@dataclass
+class Traffic:
+    """Bytes and calls per (process group, operation) seen while counting."""
+
+    calls: dict[tuple[Any, str], int] = field(default_factory=lambda: defaultdict(int))
+    nbytes: dict[tuple[Any, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, group: Any, op: str, nbytes: int) -> None:
+        group = group if group is not None else c10d._get_default_group()
+        self.calls[(group, op)] += 1
+        self.nbytes[(group, op)] += nbytes
+
+    def by_group(self, names: Callable[[Any], str], include_received: bool = False) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (group, op), n in self.nbytes.items():
+            if op == "recv" and not include_received:
+                continue
+            out[names(group)] += n
+        return dict(out)
+
+    def scaled(self, factor: float) -> "Traffic":
+        out = Traffic()
+        for key, n in self.nbytes.items():
+            out.nbytes[key] = int(n * factor)
+            out.calls[key] = int(self.calls[key] * factor)
+        return out
+
+    def __iadd__(self, other: "Traffic") -> "Traffic":
+        for key, n in other.nbytes.items():
+            self.nbytes[key] += n
+            self.calls[key] += other.calls[key]
+        return self
+
+
+class _Counter:
+    traffic: Optional[Traffic] = None
+    depth = 0  # inside a counted call (batch_isend_irecv runs isend/irecv itself): not again
+
+
+_counter = _Counter()
+
+
+def _counting(name: str, original: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _counter.traffic is not None and _counter.depth == 0:
+            if name in _SIZES:
+                nbytes, group = _SIZES[name](args, kwargs)
+                size = dist.get_world_size(group if group is not None else c10d._get_default_group())
+                _counter.traffic.add(group, name, int(ring(_KIND[name], nbytes, size)))
+            elif name in _P2P:
+                tensor = _arg(args, kwargs, 0, "tensor")
+                _counter.traffic.add(_arg(args, kwargs, 2, "group"), "send" if _P2P[name] else "recv", _nbytes(tensor))
+            elif name == "batch_isend_irecv":
+                for op in _arg(args, kwargs, 0, "p2p_op_list"):
+                    sent = op.op in (c10d.isend, _ORIGINAL.get("isend"))
+                    _counter.traffic.add(op.group, "send" if sent else "recv", _nbytes(op.tensor))
+        _counter.depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _counter.depth -= 1
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+_ORIGINAL: dict[str, Callable] = {}
+
+
+@contextmanager
+def counting_collectives() -> Iterator[None]:
+    """Wrap ``torch.distributed``'s collectives and P2P calls (in ``torch.distributed`` and
+    ``distributed_c10d``, where ``P2POp`` checks its ``op`` by identity) for the code inside;
+    :func:`count` then records what they are handed."""
+    names = [*_SIZES, *_P2P, "batch_isend_irecv"]
+    saved: dict[str, tuple[Any, Any]] = {}
+    for name in names:
+        if not hasattr(c10d, name):
+            continue
+        current = getattr(c10d, name)
+        saved[name] = (current, getattr(dist, name, None))
+        _ORIGINAL[name] = current
+        wrapped = _counting(name, current)
+        setattr(c10d, name, wrapped)
+        if hasattr(dist, name):
+            setattr(dist, name, wrapped)
+    try:
+        yield
+    finally:
+        for name, (in_c10d, in_dist) in saved.items():
+            setattr(c10d, name, in_c10d)
+            if in_dist is not None:
+                setattr(dist, name, in_dist)
+        _ORIGINAL.clear()
+
+
+@contextmanager
+def count(traffic: Traffic) -> Iterator[Traffic]:
+    """Record into ``traffic`` the calls made inside (needs :func:`counting_collectives` around)."""
+    previous, _counter.traffic = _counter.traffic, traffic
+    try:
+        yield traffic
+    finally:
+        _counter.traffic = previous

@@ -1,0 +1,342 @@
+"""One rank of the full world, set up and stepped on the meta device under a fake process group.
+
+The set-up is the strategy's own: :func:`lightning_3d.parallelize.parallelize` (tensor-parallel plan,
+context parallelism, recompute, pipeline split and pruning, precision, replica broadcasts, ZeRO) and
+:meth:`ZeroCoordinator.wrap_optimizers` around the LightningModule's ``configure_optimizers``. What
+is left out is Lightning's wiring (loops, callbacks, logging).
+
+The step runs one micro-batch through the rank's pieces (the pipeline runtime's own
+``_piece_forward``; at pipeline_parallel=1 the model's layer sequence, which its forward runs) and
+its backward, counting saved tensors and collectives; then the end of the step as the strategy runs
+it: the gradients handed over once (the pipeline's deferred-gradient release, whose hooks reduce the
+ZeRO buckets), the global-norm all-reduces when clipping, and the ZeRO optimizer's step, which
+creates Adam's state and all-gathers the parameters. Per-micro-batch traffic is then multiplied by
+the step's micro-batch count; activations by the schedule's own order (which micro-batches are
+alive at once on this rank).
+
+Left out, and why: the per-step scalar all-reduces that read values (the loss normalization's target
+count, the pipeline's loss broadcast: a few bytes), and the context-parallel input split (a local
+index on data every rank loads): the micro-batch enters the layers already cut to this rank's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import Tensor, nn
+
+from lightning_3d.dry_run.counting import SavedBytes, Traffic, count, storage_bytes
+from lightning_3d.parallelize import parallelize
+from lightning_3d.pipeline.runtime import PipelineRuntime, _DeferredGradients, _Stash
+from lightning_3d.pipeline.schedules import V_SHAPED, build_schedule, piece_of
+from lightning_3d.precision import ThreeDPrecision
+from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
+from lightning_3d.topology import Coordinates, ParallelDims, Topology, use_topology
+from lightning_3d.zero.memory import memory_report
+
+META = torch.device("meta")
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """``rank`` of a ``world_size`` world on torch's fake backend: collectives return at once and move
+    nothing, so one process can stand in for any rank of any world."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group (it creates a fake one per rank).")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class Batch:
+    """What one step feeds a rank: micro-batch size, micro-batches per step, tokens per sequence on
+    this rank (after context parallelism)."""
+
+    micro_batch: int
+    micro_batches: int
+    local_seq: int
+    hidden: int
+
+
+@dataclass
+class RankResult:
+    rank: int
+    coords: Coordinates
+    pieces: list[int]
+    layers: int
+    memory: dict[str, float]  # params, grads, master, optimizer_state, buffers (bytes, from the tensors)
+    activations: float  # peak saved bytes under the schedule
+    activation_per_micro_batch: list[float]  # per local chunk, one micro-batch
+    in_flight: float  # the peak in micro-batches (of all this rank's chunks)
+    recompute: float  # one layer's full activations, re-run in backward under full recompute
+    traffic: dict[str, float]  # bytes per step per group (sent / handed to collectives)
+    calls: dict[str, int]
+    seconds: float
+    formula: dict[str, Any] = field(default_factory=dict)
+
+
+def build_module(cfg: DictConfig, topology: Topology) -> nn.Module:
+    """The recipe's LightningModule, its model built by ``configure_model`` on the meta device, under
+    the topology (as the strategy's ``model_sharded_context`` does)."""
+    from lightning_3d.recipe import build_model
+
+    with torch.device(META):
+        module = build_model(cfg)
+        with use_topology(topology):
+            configure = getattr(module, "configure_model", None)
+            if callable(configure):
+                configure()
+    return module
+
+
+def set_up(cfg: DictConfig, strategy: Any, topology: Topology) -> tuple[nn.Module, Any, list[PipelineRuntime], list[Any]]:
+    """The strategy's set-up (``ThreeDParallelStrategy.setup`` without Lightning's wiring) on the meta
+    device: parallelize, then the module's optimizer wrapped by ZeRO."""
+    module = build_module(cfg, topology)
+    tracker = RNGStatesTracker("cpu")
+    seed_tracker(tracker, topology.tp_rank, topology.pp_rank, int(cfg.get("seed", 1234)))
+    precision = ThreeDPrecision(str(cfg.trainer.get("precision", "32-true")))
+    holder: dict[str, Any] = {}
+
+    def blocker() -> Any:  # the strategy's block_backward_sync
+        zero = holder.get("zero")
+        return zero.no_sync() if zero is not None else nullcontext()
+
+    done = parallelize(
+        module, topology, strategy.config,
+        precision=precision, device=META, rng_tracker=tracker, training=True,
+        bucket_bytes=strategy._bucket_bytes, grad_sync_blocker=blocker,
+        tensor_parallel_plan=strategy._tp_plan, pipeline_partition=strategy._pp_partition,
+    )
+    holder["zero"] = done.zero
+    hp = getattr(module, "hparams", None)
+    if hp is not None and "decay_steps" in hp and not hp.decay_steps:  # no Trainer to ask for its total steps
+        hp.decay_steps = int(cfg.trainer.get("max_steps") or 1)
+    configured = done.module.configure_optimizers()
+    optimizers = _optimizers_of(configured)
+    wrapped = done.zero.wrap_optimizers(done.module, optimizers)
+    return done.module, done.zero, done.pipelines, wrapped
+
+
+def _optimizers_of(configured: Any) -> list[Any]:
+    """The optimizers in whatever ``configure_optimizers`` returned (Lightning's forms)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return [configured]
+    if isinstance(configured, dict):
+        return [configured["optimizer"]]
+    if isinstance(configured, (list, tuple)):
+        if configured and isinstance(configured[0], (list, tuple)):
+            return list(configured[0])
+        return [o["optimizer"] if isinstance(o, dict) else o for o in configured if isinstance(o, (dict, torch.optim.Optimizer))]
+    raise ValueError(f"dry run: cannot read the optimizers from configure_optimizers() = {type(configured).__name__}.")
+
+
+def _sequence(module: nn.Module) -> Any:
+    from lightning_3d.models.adapters.registry import find_sequences
+
+    found = find_sequences(module)
+    if len(found) != 1:
+        raise ValueError(f"dry run: expected one model with a layer sequence, found {len(found)}.")
+    return found[0][2]
+
+
+def _inputs(batch: Batch, vocab_dtype: torch.dtype = torch.long) -> dict[str, Tensor]:
+    shape = (batch.micro_batch, batch.local_seq)
+    return {"input_ids": torch.empty(shape, dtype=vocab_dtype, device=META), "targets": torch.empty(shape, dtype=vocab_dtype, device=META)}
+
+
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def measure_rank(
+    cfg: DictConfig, strategy: Any, dims: ParallelDims, rank: int, batch: Batch, group_name: Any, clip: bool
+) -> RankResult:
+    """Set up and step global ``rank`` of the world ``dims`` describes (inside :func:`fake_world`)."""
+    start = time.perf_counter()
+    topology = Topology.build(dims, "cpu")
+    module, zero, pipelines, optimizers = set_up(cfg, strategy, topology)
+    runtime = pipelines[0] if pipelines else None
+    params = [p for p in {id(p): p for p in module.parameters()}.values()]
+    tracker = SavedBytes(exclude=params)
+    micro = Traffic()
+    p, v = dims.pp, strategy.config.virtual_stages
+    schedule = strategy.config.pipeline_schedule
+    if runtime is not None:
+        chunks = list(range(v))
+        pieces = [piece_of(p, topology.pp_rank, c, schedule in V_SHAPED) for c in chunks]
+        layers = sum(runtime.ranges[k][1] - runtime.ranges[k][0] for k in pieces)
+    else:
+        chunks, pieces = [0], [0]
+        layers = len(_sequence(module).blocks)
+    hidden_dtype = _dtype_of(module)
+
+    # -- one micro-batch, forward then backward of every chunk, counted ----------------------------------
+    per_chunk: list[float] = []
+    outputs: list[Optional[Tensor]] = []
+    inputs: list[Optional[Tensor]] = []
+    with ExitStack() as stack:
+        stack.enter_context(count(micro))
+        stack.enter_context(zero.no_sync())  # gradient accumulation: no reduction until the step's end
+        if runtime is not None:  # the runtime defers sequence-parallel sums to the step's end too
+            stack.enter_context(runtime._sequence_parallel_sums_deferred())
+        data = _inputs(batch)
+        graph: list[tuple[Tensor, Optional[Tensor]]] = []
+        for c, piece in zip(chunks, pieces):
+            x = None
+            if runtime is not None and piece > 0:
+                x = torch.empty(_boundary_shape(batch, dims, strategy.config), dtype=hidden_dtype, device=META, requires_grad=True)
+            before = tracker.current
+            with tracker.hooks():
+                if runtime is not None:
+                    out = runtime._piece_forward(piece, x, data)
+                else:
+                    out = _whole_forward(module, data)
+            loss = getattr(out, "loss", None)
+            target = loss if loss is not None else out
+            held = 0 if loss is not None or tracker.holds(target) else storage_bytes([target])  # the runtime keeps it to B
+            per_chunk.append(float(tracker.current - before + held))
+            inputs.append(x)
+            outputs.append(None if loss is not None else target)
+            graph.append((target, None if loss is not None else torch.empty_like(target)))
+        for target, grad in reversed(graph):
+            torch.autograd.backward(target, grad)
+        graph.clear()
+        recompute = _recompute_bytes(module, runtime, pieces, batch, dims, strategy.config, hidden_dtype) if strategy.config.activation_checkpointing == "full" else 0.0
+
+    # -- the end of the step -----------------------------------------------------------------------------
+    step = Traffic()
+    with count(step):
+        if runtime is not None:  # the pipeline hands its gradients over once: reduction hooks fire here
+            stash = _Stash(runtime, {id(q): q.grad for q in runtime.params})
+            for q in runtime.params:
+                q.grad = None
+            released = _DeferredGradients.apply(torch.zeros(()), stash, *runtime.params)
+            released.backward()
+        zero.after_backward()
+        before_step = memory_report(module, optimizers, zero, topology)
+        if clip:
+            for opt in optimizers:
+                if hasattr(opt, "grad_norm_squared"):
+                    opt.grad_norm_squared()
+        for opt in optimizers:
+            opt.step()
+    after_step = memory_report(module, optimizers, zero, topology)
+
+    m = batch.micro_batches
+    activations, in_flight = _schedule_peak(per_chunk, schedule, p, m, v, topology.pp_rank)
+    total = micro.scaled(m)
+    total += _p2p_traffic(schedule, p, m, v, topology, outputs, inputs, batch, dims, strategy.config, hidden_dtype)
+    total += step
+    traffic: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for (group, op), n in total.nbytes.items():
+        if op == "recv":
+            continue
+        name = group_name(group)
+        traffic[name] = traffic.get(name, 0) + n
+        calls[name] = calls.get(name, 0) + total.calls[(group, op)]
+    memory = {
+        "params": float(before_step["params"]),
+        "grads": float(before_step["grads"]),
+        "master": float(after_step["master"]),
+        "optimizer_state": float(after_step["optimizer_state"]),
+        "buffers": float(storage_bytes(list(module.buffers()))),
+    }
+    return RankResult(
+        rank=topology.rank, coords=topology.coords, pieces=pieces, layers=layers, memory=memory,
+        activations=activations, activation_per_micro_batch=per_chunk, in_flight=in_flight, recompute=recompute,
+        traffic=traffic, calls=calls, seconds=time.perf_counter() - start, formula=after_step["formula"],
+    )
+
+
+def _whole_forward(module: nn.Module, data: dict[str, Tensor]) -> Any:
+    """pipeline_parallel=1: what the model's forward runs, through its layer sequence."""
+    sequence = _sequence(module)
+    x = sequence.embed(data)
+    for block in sequence.blocks:
+        x = sequence.block(block, x, data)
+    return sequence.head(x, data)
+
+
+def _boundary_shape(batch: Batch, dims: ParallelDims, config: Any) -> tuple[int, ...]:
+    """The hidden states one piece hands the next: this rank's tokens, split again over tp under
+    sequence parallelism."""
+    tokens = batch.local_seq // (dims.tp if config.sequence_parallel and dims.tp > 1 else 1)
+    return (batch.micro_batch, tokens, batch.hidden)
+
+
+def _recompute_bytes(
+    module: nn.Module, runtime: Optional[PipelineRuntime], pieces: list[int], batch: Batch, dims: ParallelDims, config: Any, dtype: torch.dtype
+) -> float:
+    """Full recompute: what one block holds while it is re-run in backward -- its forward without the
+    checkpoint wrapper, counted like any forward (the block's original forward, kept by the wrapper)."""
+    sequence = _sequence(module) if runtime is None else runtime.sequence
+    block = next((b for b in sequence.blocks if getattr(b, "_activation_checkpointed", False)), None)
+    if block is None:
+        return 0.0
+    original = getattr(block.forward, "__wrapped__", None)
+    if original is None:
+        return 0.0
+    x = torch.empty(_boundary_shape(batch, dims, config), dtype=dtype, device=META, requires_grad=True)
+    params = list(block.parameters())
+    tracker = SavedBytes(exclude=params)
+    with tracker.hooks():
+        out = original(x)
+    held = tracker.current
+    del out
+    return float(held)
+
+
+def _schedule_peak(per_chunk: list[float], schedule: str, p: int, m: int, v: int, rank: int) -> tuple[float, float]:
+    """The most bytes alive at once under this rank's order of the schedule: a (micro-batch, chunk)
+    is alive from its forward to its backward (zero-bubble: to its weight half W)."""
+    if p == 1:
+        return per_chunk[0], 1.0
+    actions = build_schedule(schedule, p, m, v)[rank]
+    alive: dict[tuple[int, int], float] = {}
+    peak, peak_count = 0.0, 0
+    for a in actions:
+        if a.kind == "F":
+            alive[(a.micro, a.chunk)] = per_chunk[a.chunk]
+            current = sum(alive.values())
+            if current > peak:
+                peak, peak_count = current, len(alive)
+        elif a.kind in ("B", "W"):
+            alive.pop((a.micro, a.chunk), None)
+    return peak, peak_count / len(per_chunk)
+
+
+def _p2p_traffic(
+    schedule: str, p: int, m: int, v: int, topology: Topology, outputs: list[Optional[Tensor]], inputs: list[Optional[Tensor]],
+    batch: Batch, dims: ParallelDims, config: Any, dtype: torch.dtype,
+) -> Traffic:
+    """The pipeline's point-to-point bytes of one step: this rank's sends in the schedule the runtime
+    executes (an activation per forward that feeds another rank, an input gradient per backward of a
+    piece that has an input), each the size of the tensor the piece produced or received above."""
+    out = Traffic()
+    if p == 1:
+        return out
+    group = topology.pp_group
+    boundary = math.prod(_boundary_shape(batch, dims, config)) * torch.empty((), dtype=dtype).element_size()
+    for a in build_schedule(schedule, p, m, v)[topology.pp_rank]:
+        if a.kind in ("SEND_ACT", "SEND_GRAD"):
+            t = outputs[a.chunk] if a.kind == "SEND_ACT" else inputs[a.chunk]
+            nbytes = t.numel() * t.element_size() if t is not None else boundary
+            out.add(group, "send", nbytes)
+    return out

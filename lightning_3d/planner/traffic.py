@@ -1,0 +1,107 @@
+"""Bytes each process group moves per training step, per rank: the planner's model of what the dry
+run (:mod:`lightning_3d.dry_run`) counts at the collective and point-to-point calls.
+
+"Bytes moved" is what one rank sends over the wire under NCCL's ring algorithms: an all-reduce of
+``B`` bytes over ``n`` ranks ``2 (n - 1) / n B``, an all-gather (``B`` the gathered output) or a
+reduce-scatter (``B`` the input) ``(n - 1) / n B``, a point-to-point send its tensor. Counting the
+wire rather than the buffers makes sequence parallelism (an all-gather and a reduce-scatter where
+tensor parallelism has one all-reduce) move the same bytes, as it does.
+
+Per micro-batch and layer, with ``A = b (s / cp) h c`` (one activation of this rank's tokens):
+
+* ``tp``: forward 2 all-reduces of ``A`` (sequence parallel: 2 all-gathers + 2 reduce-scatters), the
+  same in backward and again in full recomputation's forward; the vocab-parallel embedding one
+  more in forward, the LM head's input one in backward (all-gather + reduce-scatter under SP), and
+  the vocab-parallel cross-entropy three fp32 all-reduces per token (max, sum of exponentials,
+  the target's logit). Sequence parallel adds, once per gradient hand-over, the all-reduce of the
+  norm weights' gradients (bf16).
+* ``cp``: the ring's hops (:mod:`context_parallel`): forward ``cp - 1`` K/V blocks, backward ``cp``
+  K/V + fp32 dK/dV; full recomputation runs the forward ring again.
+* ``pp``: an activation sent per micro-batch and piece that feeds another stage, an input gradient
+  per piece that has an input: ``b (s / cp) h c`` (``/ t`` under sequence parallelism).
+* ``dp`` (the dp x cp weight replicas): ZeRO 1-2 reduce-scatter fp32 gradients and all-gather the
+  16-bit parameters once per step; ZeRO 0 all-reduces fp32 gradients; ZeRO 3 gathers every layer
+  twice and reduce-scatters its gradients per micro-batch.
+* ``embedding``: with tied embeddings over pp > 1, the first and last stage all-reduce the tied
+  weight's gradient once per step (its tp shard, in the compute dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_3d.planner.model_shape import ModelShape
+
+
+def ring(op: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends for a collective of ``nbytes`` over ``n`` ranks (NCCL's ring)."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes
+    if op == "broadcast":
+        return float(nbytes)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunks: list[int]) -> dict[str, float]:
+    """Bytes per group (``tp``, ``cp``, ``pp``, ``dp``, ``embedding``) pipeline stage ``index`` sends per
+    step. ``chunks``: the pieces it holds, in the runtime's numbering (for which sends exist)."""
+    problem = planner.problem
+    model: ModelShape = problem.model
+    c = planner.c
+    t, pp, cp, v = layout.tp, layout.pp, layout.cp, layout.virtual_stages
+    d = layout.dp * cp
+    mb, m = layout.micro_batch_size, layout.micro_batches(problem.global_batch)
+    local = model.seq_len / cp
+    act = mb * local * model.hidden * c
+    full = layout.recompute == "full"
+    first, last = index == 0, index == pp - 1
+    out: dict[str, float] = {}
+
+    # -- tensor parallel, per micro-batch ---------------------------------------------------------
+    if t > 1:
+        passes = 3 if full else 2  # forward, backward, and the recomputed forward
+        per_micro = layers[index] * passes * 2 * ring("all_reduce", act, t)  # 2 all-reduces (or AG + RS pairs) per pass
+        if first:  # vocab-parallel embedding: its output summed (reduce-scattered under SP)
+            per_micro += ring("reduce_scatter" if layout.sequence_parallel else "all_reduce", act, t)
+        if last:
+            per_micro += ring("all_reduce", act, t)  # the head input: its gradient (AG + RS under SP)
+            per_micro += 3 * ring("all_reduce", mb * local * 4.0, t)  # vocab-parallel cross-entropy, fp32 per token
+        out["tp"] = m * per_micro
+        if layout.sequence_parallel:
+            norms = layers[index] * 2 * model.hidden * (2 if model.bias else 1) + (model.hidden if last else 0)
+            hand_overs = 1 if pp > 1 else m  # the pipeline sums once per step; without it every backward
+            out["tp"] += hand_overs * ring("all_reduce", norms * c, t)
+
+    # -- context parallel ----------------------------------------------------------------------------
+    if cp > 1:
+        cost = planner._cp_cost(mb, t, layout.recompute, cp, layout.context_parallel_mode)
+        forward = cost.forward_transfers * cost.forward_bytes
+        per_layer = forward * (2 if full else 1) + cost.backward_transfers * cost.backward_bytes
+        out["cp"] = m * layers[index] * per_layer
+
+    # -- pipeline --------------------------------------------------------------------------------------
+    if pp > 1:
+        boundary = mb * local * model.hidden * c / (t if layout.sequence_parallel else 1)
+        pieces = pp * v
+        sends = sum((piece < pieces - 1) + (piece > 0) for piece in chunks)
+        out["pp"] = m * sends * boundary
+
+    # -- data parallel (the weight replicas: dp x cp) ------------------------------------------------------
+    psi = planner.stage_psi(layout, layers, index)
+    grad_bytes = problem.software.grad_reduce_bytes
+    if d > 1:
+        if layout.zero_stage == 0:
+            out["dp"] = ring("all_reduce", psi * grad_bytes, d)
+        elif layout.zero_stage in (1, 2):
+            out["dp"] = ring("reduce_scatter", psi * grad_bytes, d) + ring("all_gather", psi * c, d)
+        else:
+            out["dp"] = m * (2 * ring("all_gather", psi * c, d) + ring("reduce_scatter", psi * grad_bytes, d))
+
+    # -- tied embedding copies over the pipeline ------------------------------------------------------
+    if pp > 1 and model.tied_embeddings and (first or last):
+        out["embedding"] = ring("all_reduce", model.vocab * model.hidden / t * c, 2)
+    return out
