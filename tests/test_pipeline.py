@@ -26,7 +26,7 @@ from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_
 from tests.test_tensor_parallel_training import HFCausalLM
 
 STEPS = 10
-GPT4 = dict(n_layer=4)  # four blocks: enough for pp=4 and for pp=2 x 2 virtual stages
+GPT4 = dict(n_layer=4)  # four blocks: enough for pp=4 and for pp=2 x 2 virtual stages (pp=4 in a V takes 8)
 
 
 # -- schedules on paper -------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_activations_alive_on_the_first_stage(p, m):
 
 
 def test_every_schedule_is_deadlock_free():
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", 1)):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2)):
         for p in (1, 2, 3, 4):
             for m in (p, 2 * p, 3 * p):
                 simulate(build_schedule(name, p, m, v))
@@ -79,6 +79,45 @@ def test_zb_h1_splits_every_backward_and_beats_1f1b_at_its_memory(p, m):
         assert zb.bubble == pytest.approx(paper) if p == 2 else zb.bubble <= paper + 0.05  # ... within 0.05 beyond
 
 
+@pytest.mark.parametrize("name", ["zb_v", "dualpipe_v"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 16, 17])
+def test_v_schedules_beat_zb_h1s_bubble_at_1f1bs_memory(name, p, m):
+    """The V (rank r holds pieces r and 2p-1-r): every micro-batch passes each of a rank's two chunks
+    forward once and backward once (as B, or as I then W); at F = I = W per half-size chunk the bubble
+    is (p-1)/(6m+p-1) once m >= 2p-1 (ZB-H1: (p-1)/(3m+p-1)), and at most 1F1B's; activations in flight are
+    1F1B's (2p half-size chunks: p whole micro-batches) for zb_v and one chunk more for dualpipe_v
+    (DualPipeV's p+1). dualpipe_v with fewer than 2p micro-batches (a ragged batch) runs ZB-V's order."""
+    schedule = build_schedule(name, p, m, 2)
+    for actions in schedule:
+        computes = [(a.kind, a.micro, a.chunk) for a in actions if a.kind in ("F", "B", "I", "W")]
+        assert len(computes) == len(set(computes))
+        for i in range(m):
+            for c in (0, 1):
+                split = ("I", i, c) in computes
+                assert ("F", i, c) in computes and split == (("W", i, c) in computes) != (("B", i, c) in computes)
+                end = computes.index(("W", i, c) if split else ("B", i, c))
+                assert computes.index(("F", i, c)) < end and (not split or computes.index(("I", i, c)) < end)
+    sim = simulate(schedule, forward_time=0.5, backward_time=1.0)  # a chunk is half a stage
+    one = simulate_named("1f1b", p, m)
+    assert sim.bubble <= one.bubble + 1e-12
+    assert sim.bubble == pytest.approx(theoretical_bubble(name, p, m, 2))
+    if m >= 2 * p - 1:
+        assert sim.bubble == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert sim.bubble <= theoretical_bubble("zb_h1", p, m)  # the same p-1 idle units over twice the work
+    extra = 1 if name == "dualpipe_v" and m >= 2 * p else 0
+    assert max(sim.max_in_flight) <= 2 * min(p, m) + extra
+
+
+def test_v_placement_puts_the_first_and_last_piece_on_rank_zero():
+    from lightning_3d.pipeline.schedules import piece_of, place
+
+    for p in (1, 2, 3, 8):
+        assert [piece_of(p, r, 1, True) for r in range(p)] == list(range(2 * p - 1, p - 1, -1))
+        assert place(p, 0, True) == (0, 0) and place(p, 2 * p - 1, True) == (0, 1)
+        assert all(place(p, piece_of(p, r, c, v), v) == (r, c) for r in range(p) for c in (0, 1) for v in (True, False))
+
+
 def test_simulator_detects_a_deadlock():
     schedule = build_schedule("1f1b", 2, 2)
     # rank 0 waits for micro-batch 0's gradient before sending its activation: nobody can move
@@ -90,7 +129,7 @@ def test_simulator_detects_a_deadlock():
 # -- point to point under NCCL semantics (docs/pipeline.md) ------------------------------------------------------
 GRID = [
     (name, p, v, m, forward_only)
-    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [1, 2, 3, 4]), ("zb_h1", [1]))
+    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [1, 2, 3, 4]), ("zb_h1", [1]), ("zb_v", [2]), ("dualpipe_v", [2]))
     for p in range(1, 7)
     for v in vs
     for m in range(1, 20)
@@ -98,7 +137,7 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"])
 def test_communication_plans_run_under_nccl_semantics(name):
     """Every plan the runtime can post for p 1..6, v 1..4, m 1..19 (ragged ones included), training and
     evaluation, finishes under the strict model with one queue per peer and with one queue per rank,
@@ -172,7 +211,9 @@ def test_simulator_refuses_mismatched_and_unwaited_messages():
         check_plan(unwaited)
 
 
-@pytest.mark.parametrize(("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
+@pytest.mark.parametrize(
+    ("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zb_v", 2), ("dualpipe_v", 2)]
+)
 @pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 16), (4, 8)])
 def test_posting_keeps_the_theoretical_bubble(name, v, p, m):
     """Round-matched batches with receives posted ahead cost no pipeline time (compute-bound timing)."""
@@ -274,12 +315,12 @@ def wide_reference() -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_large_activations_on_real_ranks(world, wide_reference):
-    """1F1B, interleaved 1F1B and ZB-H1 with 8 MiB activations (sends cannot hide in socket buffers),
+    """1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV with 8 MiB activations (sends cannot hide in socket buffers),
     shapes that change mid-step and a ragged micro-batch count (see wide_batches): the same losses and
     gradients as one process. Under strict mode (NCCL's matching and rendezvous on gloo) this is the
     no-hang check."""
-    schedules = [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
-    ranks = run_on_ranks(wide_world, world, schedules, timeout=240)
+    schedules = [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2)]
+    ranks = run_on_ranks(wide_world, world, schedules, timeout=300)
     for name, v in schedules:
         key = f"{name}_v{v}"
         seen: set[str] = set()
@@ -338,14 +379,14 @@ def test_zero3_with_pipeline_is_refused_with_the_alternative():
 
 
 # -- the runtime through the Trainer ---------------------------------------------------------------------
-def gpt_run(steps: int = STEPS, **strategy: Any) -> dict[str, Any]:
+def gpt_run(steps: int = STEPS, layers: int = 4, **strategy: Any) -> dict[str, Any]:
     L.seed_everything(0)
     recorder = LossRecorder()
     trainer = quiet_trainer(
         max_steps=steps, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.5,
         strategy=ThreeDParallelStrategy(**strategy),
     )
-    model = tiny_gpt(lr=3e-3, **GPT4)
+    model = tiny_gpt(lr=3e-3, n_layer=layers)
     trainer.fit(model, tiny_data(global_batch_size=8))
     stats = [
         {"max_in_flight": s.max_in_flight, "idle": s.idle_fraction, "m": s.micro_batches}
@@ -354,14 +395,14 @@ def gpt_run(steps: int = STEPS, **strategy: Any) -> dict[str, Any]:
     return {"losses": recorder.losses, "stats": stats}
 
 
-def llama_run(**strategy: Any) -> list[float]:
+def llama_run(layers: int = 2, **strategy: Any) -> list[float]:
     L.seed_everything(0)
     recorder = LossRecorder()
     trainer = quiet_trainer(
         max_steps=STEPS, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.5,
         strategy=ThreeDParallelStrategy(**strategy),
     )
-    trainer.fit(HFCausalLM("llama"), tiny_data(global_batch_size=8))
+    trainer.fit(HFCausalLM("llama", layers), tiny_data(global_batch_size=8))
     return recorder.losses
 
 
@@ -487,6 +528,9 @@ def pp2_world(tmp: str) -> dict[str, Any]:
             "zero2": lambda: gpt_run(pipeline_parallel=2, zero_stage=2),
             "llama": lambda: llama_run(pipeline_parallel=2),
             "llama_zb_h1": lambda: llama_run(pipeline_parallel=2, pipeline_schedule="zb_h1"),
+            "zb_v": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="zb_v"),
+            "dualpipe_v": lambda: gpt_run(pipeline_parallel=2, pipeline_schedule="dualpipe_v"),
+            "llama_zb_v": lambda: llama_run(layers=4, pipeline_parallel=2, pipeline_schedule="zb_v"),
             "sft_llama": lambda: sft_run("llama", pipeline_parallel=2, micro_batches=4),
             "sft_gpt2": lambda: sft_run("gpt2", pipeline_parallel=2, micro_batches=4),
             "weights": lambda: one_step_weights(pipeline_parallel=2),
@@ -506,6 +550,12 @@ def four_rank_world() -> dict[str, Any]:
             "tp2pp2_sp": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, sequence_parallel=True),
             "pp4_zb_h1": lambda: gpt_run(pipeline_parallel=4, pipeline_schedule="zb_h1", micro_batches=8),
             "tp2pp2_zb_h1_zero1": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="zb_h1", zero_stage=1),
+            "pp4_zb_v": lambda: gpt_run(layers=8, pipeline_parallel=4, pipeline_schedule="zb_v", micro_batches=8),
+            "pp4_dualpipe_v": lambda: gpt_run(layers=8, pipeline_parallel=4, pipeline_schedule="dualpipe_v"),
+            "tp2pp2_zb_v_zero1": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="zb_v", zero_stage=1),
+            "tp2pp2_dualpipe_v_zero1": lambda: gpt_run(
+                pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="dualpipe_v", zero_stage=1
+            ),
             "llama_dp2pp2": lambda: llama_run(pipeline_parallel=2, data_parallel=2),
             "llama_tp2pp2": lambda: llama_run(pipeline_parallel=2, tensor_parallel=2),
         }
@@ -521,8 +571,10 @@ def reference_world() -> dict[str, Any]:
     return run_checks(
         {
             "gpt": lambda: gpt_run(),
+            "gpt8": lambda: gpt_run(layers=8),
             "gpt_2steps": lambda: gpt_run(steps=2),
             "llama": lambda: llama_run(),
+            "llama4": lambda: llama_run(layers=4),
             "sft_llama": lambda: sft_run("llama"),
             "sft_gpt2": lambda: sft_run("gpt2"),
             "weights": lambda: one_step_weights(),
@@ -556,7 +608,7 @@ def _mean(values: list[list[float]]) -> np.ndarray:
 
 
 # (ZB-H1 at pp2, with recompute, accumulation, ZeRO, precisions ...: the composition matrix's pp2-zb cells)
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2"])
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero2", "zb_v", "dualpipe_v"])
 def test_pp2_gpt_matches_one_process(pp2, single, name):
     reference = result_of(single, "gpt")["losses"]
     for r in pp2:  # the loss is visible on every pipeline rank
@@ -564,9 +616,16 @@ def test_pp2_gpt_matches_one_process(pp2, single, name):
     assert len(reference) == STEPS
 
 
-@pytest.mark.parametrize("name", ["pp4", "dp2pp2", "tp2pp2", "tp2pp2_sp", "pp4_zb_h1", "tp2pp2_zb_h1_zero1"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pp4", "dp2pp2", "tp2pp2", "tp2pp2_sp", "pp4_zb_h1", "tp2pp2_zb_h1_zero1",
+        "pp4_zb_v", "pp4_dualpipe_v", "tp2pp2_zb_v_zero1", "tp2pp2_dualpipe_v_zero1",
+    ],
+)
 def test_four_rank_layouts_match_one_process(four, single, name):
-    np.testing.assert_allclose(_mean([result_of(r, name)["losses"] for r in four]), result_of(single, "gpt")["losses"], rtol=1e-5)
+    reference = result_of(single, "gpt8" if name.startswith("pp4_") and name.endswith("_v") else "gpt")["losses"]
+    np.testing.assert_allclose(_mean([result_of(r, name)["losses"] for r in four]), reference, rtol=1e-5)
 
 
 def test_dp2_tp2_pp2_zero1_on_eight_ranks(eight, single):
@@ -578,6 +637,7 @@ def test_hf_llama_pipelines(pp2, four, single):
     reference = result_of(single, "llama")
     np.testing.assert_allclose(_mean([result_of(r, "llama") for r in pp2]), reference, rtol=1e-5)
     np.testing.assert_allclose(_mean([result_of(r, "llama_zb_h1") for r in pp2]), reference, rtol=1e-5)
+    np.testing.assert_allclose(_mean([result_of(r, "llama_zb_v") for r in pp2]), result_of(single, "llama4"), rtol=1e-5)
     for name in ("llama_dp2pp2", "llama_tp2pp2"):
         np.testing.assert_allclose(_mean([result_of(r, name) for r in four]), reference, rtol=1e-5)
 

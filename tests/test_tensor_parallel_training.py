@@ -29,9 +29,9 @@ HF_KINDS = ("llama", "gpt2")
 class HFCausalLM(L.LightningModule):
     """The plain way to train a Hugging Face model: the step is just ``model(..., labels=...).loss``."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, layers: int = 2) -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.layers = kind, layers
         self.model: Optional[nn.Module] = None
 
     def configure_model(self) -> None:
@@ -41,13 +41,13 @@ class HFCausalLM(L.LightningModule):
 
         if self.kind == "llama":
             config = transformers.LlamaConfig(
-                vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=self.layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
             )
             self.model = transformers.LlamaForCausalLM(config)
         else:
             config = transformers.GPT2Config(
-                vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                vocab_size=256, n_embd=32, n_layer=self.layers, n_head=4, n_positions=64,
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             )
             self.model = transformers.GPT2LMHeadModel(config)

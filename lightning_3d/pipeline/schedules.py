@@ -519,8 +519,9 @@ def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of a step with a backward twice a forward (I = W = F): (p-1)/(m+p-1) for GPipe
     and 1F1B; interleaving divides the pipeline fill by v: ((p-1)/v) / (m + (p-1)/v); ZB-H1 leaves
     p-1 of 1F1B's 3(p-1) idle units per stage: (p-1) / (3m + p-1). The V-shaped schedules (F = I = W = 1
-    per half-size chunk, 6m units of work per rank) leave p-1 units: (p-1) / (6m + p-1), half of
-    ZB-H1's, once m >= 2p - 1 (below that, the schedule's own simulation; with m < 2p dualpipe_v runs ZB-V's order)."""
+    per half-size chunk, 6m units of work per rank) leave p-1 units: (p-1) / (6m + p-1), about half
+    of ZB-H1's, once m >= 2p - 1 (below that, the schedule's own simulation; with m < 2p dualpipe_v
+    runs ZB-V's order)."""
     if name == "zb_h1":
         return (p - 1) / (3 * m + p - 1)
     if name in V_SHAPED:
