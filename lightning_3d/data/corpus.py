@@ -11,7 +11,9 @@ that corpora larger than RAM work and ranks share the page cache.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,9 +29,20 @@ DEFAULT_MAX_BYTES = 8 * 2**20
 
 def stdlib_source_files() -> list[Path]:
     """The standard library's ``.py`` files in a deterministic order (installed packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return list(_source_files_under(sysconfig.get_paths()["stdlib"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _source_files_under(stdlib: str) -> tuple[Path, ...]:
+    # The skipped directories are pruned, not walked (site-packages alone can hold ~10x the stdlib's
+    # files: a second per data module before), and symbolic links to directories are not followed
+    # (as Path.rglob). Cached: every data module of a process reads the same list.
+    root = Path(stdlib)
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def stdlib_bytes(max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
