@@ -244,7 +244,14 @@ def pp2_1f1b_vs_torch_pipelining(steps: int, repeats: int) -> dict[str, Any]:
 
 
 @case
-def pp2_bubbles(steps: int, repeats: int) -> dict[str, Any]:
+def pp2_zbv_vs_torch_pipelining(steps: int, repeats: int) -> dict[str, Any]:
+    from pipeline_cases import compare_zbv_with_torch
+
+    return compare_zbv_with_torch(steps, repeats)
+
+
+@case
+def pipeline_bubbles(steps: int, repeats: int) -> dict[str, Any]:
     from pipeline_cases import bubbles
 
     return bubbles(steps, repeats)
