@@ -59,6 +59,44 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel (FlashAttention, or torch's memory-efficient one) keeps for
+    backward: q, k, v, its output and one fp32 log-sum-exp per (head, query). On the meta device
+    SDPA can only pick its math path, which would save the ``s x s`` scores no GPU run keeps; the
+    dry run stands this in for the kernel, shapes and saved tensors as the kernel has them."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = q.new_empty(q.shape)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@contextmanager
+def fused_attention() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as a fused kernel's footprint (see :class:`_FusedAttention`)."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if not q.is_meta:
+            return original(q, k, v, *args, **kwargs)
+        return _FusedAttention.apply(q, k, v)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 @dataclass
 class Batch:
     """What one step feeds a rank: micro-batch size, micro-batches per step, tokens per sequence on
@@ -192,6 +230,7 @@ def measure_rank(
     inputs: list[Optional[Tensor]] = []
     with ExitStack() as stack:
         stack.enter_context(count(micro))
+        stack.enter_context(fused_attention())
         stack.enter_context(zero.no_sync())  # gradient accumulation: no reduction until the step's end
         if runtime is not None:  # the runtime defers sequence-parallel sums to the step's end too
             stack.enter_context(runtime._sequence_parallel_sums_deferred())
@@ -217,7 +256,10 @@ def measure_rank(
         for target, grad in reversed(graph):
             torch.autograd.backward(target, grad)
         graph.clear()
-        recompute = _recompute_bytes(module, runtime, pieces, batch, dims, strategy.config, hidden_dtype) if strategy.config.activation_checkpointing == "full" else 0.0
+    recompute = 0.0
+    if strategy.config.activation_checkpointing == "full":  # (outside the count: an extra forward of one block)
+        with zero.no_sync(), fused_attention():
+            recompute = _recompute_bytes(module, runtime, pieces, batch, dims, strategy.config, hidden_dtype)
 
     # -- the end of the step -----------------------------------------------------------------------------
     step = Traffic()

@@ -136,11 +136,23 @@ def activation_bytes(
     opts: ActivationOptions,
     head_on_stage: bool,
     head_pending: float = 0.0,
+    held_outputs: float = 0.0,
+    embed_on_stage: bool = False,
 ) -> dict[str, float]:
     """Peak activation bytes on one pipeline stage: ``stored`` (kept for backward across layers,
     logits included) and ``recompute`` (under full recomputation, the one layer being re-run
-    holds its full activations on top of the stored inputs)."""
+    holds its full activations on top of the stored inputs). ``held_outputs``: stage outputs the
+    pipeline runtime keeps until their backward (hidden states, ``/ t`` under sequence parallel).
+    ``embed_on_stage``: the embedding's dropout keeps c bytes per element (measured by the dry run), per micro-batch in flight."""
     stored = layers_on_stage * in_flight * layer_activation_bytes(model, micro_batch, opts)
+    c = opts.bytes_per_element
+    hidden = c * model.seq_len / opts.cp * micro_batch * model.hidden / (opts.tp if opts.sequence_parallel else 1)
+    stored += held_outputs * hidden
+    if embed_on_stage and model.dropout:
+        stored += in_flight * hidden
+    if head_on_stage:
+        # the final norm's saved tensors and the LM head's input (found by the dry run's count)
+        stored += (2.0 if model.rms_norm else 1.0) * hidden + c * model.seq_len / opts.cp * micro_batch * model.hidden
     if head_on_stage:
         # Logits and their gradient, split over the vocabulary by tensor parallelism.
         logits = opts.bytes_per_element * model.seq_len / opts.cp * micro_batch * model.vocab / opts.tp
@@ -162,7 +174,8 @@ def stage_in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: 
     last stage: :func:`last_stage_in_flight`; ZB-H1: its simulation."""
     if pp == 1:
         return 1.0
-    if stage == pp - 1:
+    interleaved = schedule == "interleaved_1f1b" and virtual_stages > 1
+    if stage == pp - 1 and not interleaved:  # (interleaved: the last rank's other chunks stay in flight)
         return last_stage_in_flight(schedule, pp, micro_batches)
     if stage == 0:
         return activations_in_flight(schedule, pp, micro_batches, virtual_stages)

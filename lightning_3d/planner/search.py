@@ -529,13 +529,14 @@ class Planner:
         and on the last the tied embedding's copy too."""
         model, t, pp = self.problem.model, layout.tp, layout.pp
         layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
-        embed_psi = model.embedding_params / t
+        token_psi = model.vocab * model.hidden / t  # vocab-parallel
+        embed_psi = token_psi + model.embedding_params - model.vocab * model.hidden  # learned positions: whole on every tp rank
         head_psi = model.head_params / t if not model.tied_embeddings else model.hidden * (2 if model.bias else 1)
         psi = layers[index] * layer_psi
         if index == 0:
             psi += embed_psi
         if index == pp - 1:
-            psi += head_psi + (embed_psi if model.tied_embeddings and pp > 1 else 0)
+            psi += head_psi + (token_psi if model.tied_embeddings and pp > 1 else 0)  # the tied copy: token embedding only
         return psi
 
     def stage_memory(self, layout: Layout, layers: list[int], index: int, flight: float) -> tuple[float, dict[str, float]]:
@@ -555,7 +556,10 @@ class Planner:
             if layout.zero_stage == 3:
                 states["params"] = states["grads"] = 0.0
         pending = flight - 1 if layout.schedule == "zb_h1" and has_head and pp > 1 else 0.0  # held-back W's
-        activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head, pending)
+        # the pipeline runtime keeps each in-flight piece's output until that piece's backward (the head's
+        # piece returns a loss)
+        held = max(0.0, flight * layout.virtual_stages - (1 if has_head else 0)) if pp > 1 else 0.0
+        activations = activation_bytes(model, mb, layers[index], flight, act_opts, has_head, pending, held, index == 0)
         buffers = 0.0
         if layout.zero_stage >= 1:  # two in-flight reduce buckets of the stack's size, at most the grads
             bucket = p.software.grad_bucket_mb * 2**20 or psi * p.software.grad_reduce_bytes

@@ -63,8 +63,10 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
 
     # -- tensor parallel, per micro-batch ---------------------------------------------------------
     if t > 1:
-        passes = 3 if full else 2  # forward, backward, and the recomputed forward
-        per_micro = layers[index] * passes * 2 * ring("all_reduce", act, t)  # 2 all-reduces (or AG + RS pairs) per pass
+        # forward and backward 2 each; torch's non-reentrant checkpoint stops the recomputed forward once
+        # backward has what it saved, before the MLP's output all-reduce, unless a dropout after it keeps a mask
+        calls = 4 + ((2 if model.dropout else 1) if full else 0)
+        per_micro = layers[index] * calls * ring("all_reduce", act, t)  # an all-reduce, or an AG + RS pair under SP
         if first:  # vocab-parallel embedding: its output summed (reduce-scattered under SP)
             per_micro += ring("reduce_scatter" if layout.sequence_parallel else "all_reduce", act, t)
         if last:

@@ -1,0 +1,81 @@
+"""The dry run (lightning_3d/dry_run): the strategy's real set-up and one counted step of full-size
+recipes on the meta device, against the planner's model of the same layout (docs/dry_run.md)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from lightning_3d.dry_run import dry_run, roles
+from lightning_3d.recipe import compose_config
+from lightning_3d.topology import ParallelDims
+
+
+def _run(recipe, *overrides, stages=True):
+    cfg = compose_config([f"recipe={recipe}", "data.source=unused", *overrides])
+    dims = ParallelDims(int(cfg.parallel.data_parallel), int(cfg.parallel.tensor_parallel), int(cfg.parallel.pipeline_parallel))
+    only = sorted({r.rank for r in roles(dims) if r.coords.tp == 0}) if stages else None  # one tp rank per stage: fast
+    return dry_run(cfg, only=only)
+
+
+def _close(measured, predicted, tol):
+    return abs(measured - predicted) <= tol * max(abs(predicted), 1.0)
+
+
+def _check(report, activations=True):
+    assert report.roles
+    for r in report.roles:
+        m, p = r.measured, r.predicted
+        assert _close(m.memory["params"], p["params"], 0.02), (r.role, m.memory, p)
+        assert _close(m.memory["grads"], p["grads"], 0.02), (r.role, m.memory, p)
+        assert _close(m.memory["master"] + m.memory["optimizer_state"], p["optimizer"], 0.02), (r.role, m.memory, p)
+        if activations:
+            assert _close(m.activations, p["activations"], 0.10), (r.role, m.activations, p["activations"])
+        for group in set(m.traffic) | set(p["traffic"]):
+            assert _close(m.traffic.get(group, 0), p["traffic"].get(group, 0), 0.10), (r.role, group, m.traffic, p["traffic"])
+
+
+def test_bloom_176b_every_stage_matches_the_planner():
+    report = _run("bloom_176b")  # tp4 pp12 dp8, ZeRO-1, full recompute, tied embeddings
+    _check(report)
+    assert {"tp", "pp", "dp", "embedding"} <= set(report.roles[0].measured.traffic)
+    assert report.fits
+
+
+def test_mt_nlg_530b_every_stage_matches_the_planner():
+    report = _run("mt_nlg_530b")  # tp8 pp35 dp8 on 2,240 ranks, dropout, learned positions
+    _check(report)
+    assert report.world_size == 2240 and report.fits
+
+
+def test_llama3_70b_model_states_and_traffic_match_the_planner():
+    report = _run("llama3_70b", stages=False)  # tp8 dp64, ZeRO-1, sequence parallel, 8 accumulation steps
+    _check(report, activations=False)
+
+
+@pytest.mark.xfail(strict=True, reason="sequence parallel: the column-parallel layers keep the all-gathered (full-sequence) "
+                   "input for backward, the planner assumes Megatron's sharded one (docs/dry_run.md, 'Known differences')")
+def test_llama3_70b_activations_match_the_planner():
+    _check(_run("llama3_70b", stages=False))
+
+
+def test_an_over_full_layout_fails_with_the_rank_and_its_bytes():
+    cmd = [sys.executable, "-m", "lightning_3d.cli", "dry-run", "recipe=bloom_176b", "data.source=unused",
+           "parallel.activation_checkpointing=null", "--ranks", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "does not fit: rank 0" in out.stderr and "GB usable" in out.stderr and "activations" in out.stderr
+
+
+@pytest.mark.slow
+def test_llama3_405b_on_8192_ranks_runs_in_a_minute():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cmd = [sys.executable, "-m", "lightning_3d.cli", "dry-run", "recipe=llama3_405b", "data.source=unused"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "8192 ranks" in out.stdout and "fits" in out.stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 60, cpu  # CPU seconds: wall time on a shared 2-core machine depends on the neighbours
