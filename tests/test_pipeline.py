@@ -3,6 +3,9 @@ layout invariance up to dp2 x tp2 x pp2, weight updates, shapes that change, che
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +336,56 @@ def test_large_activations_on_real_ranks(world, wide_reference):
                     seen.add(n)
             assert [s["loss"] for s in run["eval"]] == pytest.approx([s["loss"] for s in wide_reference["eval"]], rel=1e-5)
         assert seen == set(wide_reference["train"][0]["grads"]), key  # every parameter lives on some stage
+
+
+@contextmanager
+def host_reads_logged(log: list[str]) -> Iterator[None]:
+    """Record every read of a tensor's value by the host (each one a device sync on a GPU)."""
+    names = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def logged(name: str) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            log.append(name + " at " + "".join(traceback.format_stack(limit=4)[:-1]))
+            return saved[name](self, *args, **kwargs)
+
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, logged(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def host_reads_world(schedules: list[tuple[str, int]]) -> dict[str, list[str]]:
+    from lightning_3d.topology import ParallelDims, Topology
+
+    topology = Topology.build(ParallelDims(dp=2, tp=1, pp=2))
+    out = {}
+    for name, v in schedules:
+        model = WideToy(hidden=64)
+        pipeline_model(model, model.pipeline_sequence(), topology, PipelineConfig(schedule=name, virtual_stages=v, micro_batches=4))
+        g = torch.Generator().manual_seed(topology.dp_rank)
+        x, y = torch.randn(8, 16, 64, generator=g), torch.randn(8, 16, 64, generator=g)
+        model(x, y).backward()  # the first step describes activation shapes to the next stage (read once)
+        log: list[str] = []
+        with host_reads_logged(log):
+            model(x, y).backward()
+        out[f"{name}_v{v}"] = log
+    return out
+
+
+def test_a_training_step_never_reads_a_tensor_on_the_host():
+    """After the first step, a pipeline step (dp2 x pp2: the data-parallel loss factor, P2P, the
+    zero-bubble halves, the deferred gradients' scaling) never reads a tensor's value on the host, so
+    on a GPU nothing in the schedule waits for the device. (WideToy counts its targets from shapes; a
+    model that counts unmasked targets reads one count per micro-batch, before the schedule.)"""
+    schedules = [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2)]
+    for rank in run_on_ranks(host_reads_world, 4, schedules, timeout=240):
+        assert rank == {f"{n}_v{v}": [] for n, v in schedules}
 
 
 def test_each_micro_batch_runs_forward_and_backward_once_per_chunk():

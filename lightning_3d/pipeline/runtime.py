@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -239,15 +239,16 @@ class PipelineRuntime:
             self._plans[key] = build_plan(self.config.schedule, self.p, m, self.config.virtual_stages, forward_only=not train)[self.rank]
         return self._plans[key]
 
-    def _weights(self, micro: list[Inputs], train: bool) -> list[float]:
+    def _weights(self, micro: list[Inputs], train: bool) -> list[Union[float, Tensor]]:
         """Each micro-batch's share of the batch loss: its count of (unmasked) targets over the batch's.
-        In training the batch is the global one over data-parallel replicas (see loss_normalization)."""
+        In training the batch is the global one over data-parallel replicas (see loss_normalization);
+        that factor stays on the device (no host read before the schedule starts)."""
         counts = [self.sequence.target_count(mb) for mb in micro]
         total = sum(counts)
-        scale = 1.0
+        scale: Union[float, Tensor] = 1.0
         if train and self.topology.dp_size > 1:
-            scale = float(data_parallel_factor(total, self.topology.dp_group, self._device()))
-        return [c * scale / total if total else 0.0 for c in counts]
+            scale = data_parallel_factor(total, self.topology.dp_group, self._device())
+        return [scale * (c / total) if total and c else 0.0 for c in counts]
 
     def _train(self, micro: list[Inputs]) -> Any:
         saved = {id(p): p.grad for p in self.params}
@@ -282,11 +283,14 @@ class PipelineRuntime:
                 g = torch.zeros_like(p) if g is None else g
                 dist.all_reduce(g, group=group)
                 grads[id(p)] = g
-        unit = bool(factor == 1)
-        out = []
-        for p in self.params:
-            g = grads.get(id(p))
-            out.append(g if g is None or unit else g * factor.to(g.dtype))
+        # scaled in place (the stash's tensors are this call's own), without reading the factor on the host
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads.values():
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, tensors in by_dtype.items():
+            torch._foreach_mul_(tensors, factor.to(dtype))
+        out = [grads.get(id(p)) for p in self.params]
         stash.grads = {}
         return out
 
@@ -461,10 +465,13 @@ class PipelineRuntime:
         return out
 
 
-def _weighted(loss: Tensor, weight: float) -> Tensor:
-    """A micro-batch's share of the batch loss. One whose targets are all masked (weight 0) has a
-    NaN mean (0/0): it contributes zero, and zero gradients, as it does to the batch mean."""
-    return loss.nan_to_num(0.0) * 0.0 if weight == 0 else loss * weight
+def _weighted(loss: Tensor, weight: Union[float, Tensor]) -> Tensor:
+    """A micro-batch's share of the batch loss. One whose targets are all masked (weight 0.0, known
+    on the host from its count) has a NaN mean (0/0): it contributes zero, and zero gradients, as it
+    does to the batch mean."""
+    if isinstance(weight, float) and weight == 0:
+        return loss.nan_to_num(0.0) * 0.0
+    return loss * (weight.to(loss.dtype) if isinstance(weight, Tensor) else weight)
 
 
 def _has_targets(batch: Inputs) -> bool:
