@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -261,9 +261,9 @@ def _bubble_cells(cells: list[tuple[str, int, int]], warmup: int, steps: int) ->
     return out
 
 
-def _bubble_grid(pp: int) -> list[tuple[str, int, int]]:
+def _bubble_grid(pp: int, ms: tuple[int, ...] = BUBBLE_M) -> list[tuple[str, int, int]]:
     """The cells at one pipeline depth; dualpipe_v below 2p micro-batches would run zb_v's order."""
-    return [(name, v, m) for m in BUBBLE_M for name, v in BUBBLE_SCHEDULES if not (name == "dualpipe_v" and m < 2 * pp)]
+    return [(name, v, m) for m in ms for name, v in BUBBLE_SCHEDULES if not (name == "dualpipe_v" and m < 2 * pp)]
 
 
 def _mean_costs(ranks: list[dict[str, Any]]) -> dict[str, float]:
@@ -300,22 +300,31 @@ def summarize_cell(name: str, v: int, pp: int, m: int, repeats: list[list[dict[s
     }
 
 
-def bubbles(steps: int, repeats: int, pps: tuple[int, ...] = BUBBLE_PP, warmup: int = BUBBLE_WARMUP) -> dict[str, Any]:
+def bubbles(
+    steps: int,
+    repeats: int,
+    pps: tuple[int, ...] = BUBBLE_PP,
+    ms: tuple[int, ...] = BUBBLE_M,
+    warmup: int = BUBBLE_WARMUP,
+    rank_fn: Callable[..., list[dict[str, Any]]] = None,  # type: ignore[assignment]  (default _bubble_cells)
+) -> dict[str, Any]:
     """Measured vs theoretical bubble for every schedule at pp = 2 and 4, m = 4, 8, 16.
 
     ``steps`` measured steps per cell (the runner's ``--steps`` divided by 6: 5 at 30) after
     ``warmup``; each repeat runs every cell of a depth in one set of processes (schedules alternate
     within it), the depths alternate across repeats. pp=4 runs 4 processes: on a 2-core machine two
     ranks share a core, so a rank's compute time includes time it was descheduled while its
-    core-mate computed, and its bubble is not the pipeline's alone."""
+    core-mate computed, and its bubble is not the pipeline's alone. ``rank_fn``: what the ranks run
+    (:func:`_bubble_cells`; a test passes one its rank processes can import)."""
+    rank_fn = rank_fn or _bubble_cells
     measured_steps = max(1, steps // 6)
     runs: dict[int, list[list[dict[str, Any]]]] = {pp: [] for pp in pps}  # pp -> repeats -> ranks -> cells
     for _ in range(repeats):
         for pp in pps:
-            runs[pp].append(run_on_ranks(_bubble_cells, pp, _bubble_grid(pp), warmup, measured_steps, timeout=1800))
+            runs[pp].append(run_on_ranks(rank_fn, pp, _bubble_grid(pp, ms), warmup, measured_steps, timeout=1800))
     table = []
     for pp in pps:
-        for i, (name, v, m) in enumerate(_bubble_grid(pp)):
+        for i, (name, v, m) in enumerate(_bubble_grid(pp, ms)):
             table.append(summarize_cell(name, v, pp, m, [[rank[i] for rank in ranks] for ranks in runs[pp]]))
     bar = [c for c in table if c["pp"] == 2 and c["m"] == 8]
     return {
@@ -326,7 +335,7 @@ def bubbles(steps: int, repeats: int, pps: tuple[int, ...] = BUBBLE_PP, warmup: 
         "measured_steps": measured_steps,
         "repeats": repeats,
         "cells": table,
-        "n/a": [f"dualpipe_v pp={pp} m={m}: m < 2p runs zb_v's order" for pp in pps for m in BUBBLE_M if m < 2 * pp],
+        "n/a": [f"dualpipe_v pp={pp} m={m}: m < 2p runs zb_v's order" for pp in pps for m in ms if m < 2 * pp],
         "bar_pp2_m8_minus_theory_max": max((c["minus_theory"] for c in bar), default=None),
         "bar_pp2_m8_minus_sim_max": max((c["minus_sim"] for c in bar), default=None),
         "bar_holds_vs_theory": all(c["minus_theory"] <= 0.05 for c in bar),
