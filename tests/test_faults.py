@@ -190,6 +190,7 @@ def test_a_signal_that_re_enters_the_exit_does_not_stop_it():
 
 # -- real jobs -----------------------------------------------------------------------------------------
 HEARTBEAT_S = 12  # the jobs' heartbeat timeout (LIGHTNING_3D_HEARTBEAT_TIMEOUT)
+FROZEN_HEARTBEAT_S = 6  # the frozen-rank job's: the test waits this long for the verdict (beats every 1 s)
 COLLECTIVE_S = 180  # the strategy's timeout: collectives and the rendezvous (3 ranks start slowly on 2 busy cores)
 START_S = 240  # how long a job may take to reach its fault
 
@@ -201,7 +202,8 @@ class Job:
         out.mkdir()
         self.out, self.log, self.ranks = out, out / "output.txt", ranks
         environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
-        environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIGHTNING_3D_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S), **env)
+        environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIGHTNING_3D_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
+        environ.update(env)
         from lightning_3d.testing import free_port
 
         environ["MASTER_PORT"] = str(free_port())
@@ -281,7 +283,8 @@ class Job:
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     started = {
-        "frozen": Job(root / "frozen", "freeze_in_training", 3, FAULT_RANK="2"),  # 2 survivors, to agree on the culprit
+        # 2 survivors, to agree on the culprit
+        "frozen": Job(root / "frozen", "freeze_in_training", 3, FAULT_RANK="2", LIGHTNING_3D_HEARTBEAT_TIMEOUT=str(FROZEN_HEARTBEAT_S)),
         "launcher": Job(root / "launcher", "slow", 2),
         "error": Job(root / "error", "raise_in_training", 2),
     }
@@ -301,8 +304,8 @@ def test_a_frozen_rank_is_killed_and_every_survivor_names_it(jobs):
     _wait_started(job)
     frozen = job.pid(2)
     stopped = job.wait_for(lambda: job.state(2) == "T", START_S, "rank 2 did not stop itself")
-    ended = job.wait_for(lambda: not job.alive(), HEARTBEAT_S + 30, "the job (the frozen rank included) did not end")
-    assert ended - stopped < HEARTBEAT_S + 30
+    ended = job.wait_for(lambda: not job.alive(), FROZEN_HEARTBEAT_S + 30, "the job (the frozen rank included) did not end")
+    assert ended - stopped < FROZEN_HEARTBEAT_S + 30
     assert job.rank0.wait(timeout=10) == 1
     lines = job.lines()
     assert len(lines) == 2, job.output()[-4000:]  # one per survivor
