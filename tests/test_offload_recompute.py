@@ -21,7 +21,7 @@ from lightning_3d.testing import run_on_ranks
 from lightning_3d.zero.offload import NVMeStateStore
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 
-STEPS = 10
+STEPS = 6  # optimizer steps of each parity run (clipping at 0.5 from the first)
 
 
 # -- activation checkpointing: what stays alive between forward and backward -----------------------------
