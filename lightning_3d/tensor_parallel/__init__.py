@@ -4,6 +4,7 @@ from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss, vocab_paral
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lightning_3d.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
+    gather_for_column_parallel,
     gather_from_sequence_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -49,6 +50,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_plan",
     "copy_to_tensor_parallel",
+    "gather_for_column_parallel",
     "gather_logits_hook",
     "gather_from_sequence_parallel",
     "gather_from_tensor_parallel",

@@ -14,7 +14,7 @@ seed agree; :meth:`from_dense` shards an existing module instead.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,10 +22,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_3d.tensor_parallel.mappings import (
+    SEQUENCE_DIM,
+    SEQUENCE_SHARD_ATTR,
+    SequenceShard,
+    SharedRegather,
     copy_to_tensor_parallel,
-    gather_from_sequence_parallel,
+    gather_along,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
+    reduce_scatter_along,
     reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
@@ -103,6 +108,95 @@ def _check_divisible(what: str, size: int, world: int) -> None:
         )
 
 
+# -- sequence-parallel column linear: keep the shard, gather it again in backward ------------------------
+def _linear_grads(
+    ctx: Any, grad_y: Tensor, shard: Tensor, weight: Tensor, regather: SharedRegather
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients of ``y = full @ W^T + b`` (``full``: ``shard`` all-gathered along ``ctx.dim``) for
+    input, weight and bias, with the formulas (and kernels) autograd uses for ``F.linear`` on a
+    contiguous input, so they agree bit for bit with the gathered-input path. Computed in the dtype
+    forward computed in (``grad_y``'s: the autocast dtype under autocast), each returned in its
+    tensor's dtype (as autocast's cast back would). The re-gather is started before the input
+    gradient's matmul and waited for after it."""
+    need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    with torch.autocast(grad_y.device.type, enabled=False):
+        if need_weight:
+            regather.begin(shard, ctx.dim, ctx.group)
+        compute = grad_y.dtype
+        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_input = grad_weight = grad_bias = None
+        if need_input:
+            w = weight if weight.dtype == compute else weight.to(compute)
+            grad_input = grad_2d.mm(w).view(*grad_y.shape[:-1], w.shape[1]).to(ctx.input_dtype)
+        if need_weight:
+            full = regather.finish()
+            grad_weight = grad_2d.t().mm(full.reshape(-1, full.shape[-1])).to(weight.dtype)
+        if need_bias:
+            grad_bias = grad_2d.sum(0).to(ctx.bias_dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+class _GatherLinear(torch.autograd.Function):
+    """``y = all_gather(x) @ W^T + b`` for a sequence-sharded ``x``, keeping only ``x`` (in the compute
+    dtype) and ``W`` for backward. Backward: all-gather ``x`` again for the weight gradient, and
+    reduce-scatter the input gradient along the sequence (the adjoint of the forward all-gather)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: dist.ProcessGroup, dim: int) -> Tensor:
+        full = gather_along(x, dim, group)
+        y = F.linear(full, weight, bias)  # under the caller's autocast, as the gathered-input path
+        ctx.group, ctx.dim, ctx.input_dtype = group, dim, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(x if x.dtype == y.dtype else x.detach().to(y.dtype), weight)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Optional[Tensor], ...]:
+        shard, weight = ctx.saved_tensors
+        grad_full, grad_weight, grad_bias = _linear_grads(ctx, grad_y, shard, weight, SharedRegather().register())
+        grad_x = None if grad_full is None else reduce_scatter_along(grad_full, ctx.dim, ctx.group)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+class _PreparedGatherLinear(torch.autograd.Function):
+    """``y = full @ W^T + b`` where ``full`` came from :func:`~lightning_3d.tensor_parallel.mappings.gather_for_column_parallel`:
+    keeps the shard (``source``) instead of ``full``. The input gradient is the full-sequence one:
+    the gather's own backward reduce-scatters the sum over the layers that read ``full``."""
+
+    @staticmethod
+    def forward(ctx: Any, full: Tensor, weight: Tensor, bias: Optional[Tensor], source: SequenceShard) -> Tensor:
+        y = F.linear(full, weight, bias)
+        ctx.group, ctx.dim, ctx.input_dtype = source.group, source.dim, full.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.regather = source.regather.register()
+        ctx.save_for_backward(source.shard_as(y.dtype), weight)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Optional[Tensor], ...]:
+        shard, weight = ctx.saved_tensors
+        grad_full, grad_weight, grad_bias = _linear_grads(ctx, grad_y, shard, weight, ctx.regather)
+        return grad_full, grad_weight, grad_bias, None
+
+
+def column_parallel_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], group: dist.ProcessGroup, sequence_parallel: bool, input_is_prepared: bool
+) -> Tensor:
+    """The column-parallel matmul with its entry collective: copy (tensor parallel), or all-gather of a
+    sequence shard keeping only the shard for backward (sequence parallel). ``input_is_prepared``: the
+    caller entered the region; a tensor from :func:`gather_for_column_parallel` still has its shard kept."""
+    if dist.get_world_size(group) == 1:
+        return F.linear(x, weight, bias)
+    if input_is_prepared:
+        source = getattr(x, SEQUENCE_SHARD_ATTR, None) if sequence_parallel else None
+        if source is not None and torch.is_grad_enabled():
+            return _PreparedGatherLinear.apply(x, weight, bias, source)
+        return F.linear(x, weight, bias)
+    if sequence_parallel:
+        return _GatherLinear.apply(x, weight, bias, group, SEQUENCE_DIM)
+    return F.linear(copy_to_tensor_parallel(x, group), weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by rows (output features) over the tp group.
 
@@ -168,12 +262,8 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight.shape[1], weight.shape[0], bias=bias is not None, tp_group=tp_group, _dense=module, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.input_is_prepared:
-            if self.sequence_parallel:
-                x = gather_from_sequence_parallel(x, self.tp_group)
-            else:
-                x = copy_to_tensor_parallel(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        # under sequence parallelism only the sequence shard is kept for backward (gathered again there)
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel, self.input_is_prepared)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.tp_group).narrow(-1, 0, self.valid_out_features)
         return y

@@ -15,11 +15,18 @@ tensor parallelism splits; the sequence dimension (``-2``) is what sequence para
 | reduce_scatter_to_sequence_parallel | reduce-scatter sequence | all-gather sequence     |
 
 All of them are the identity when the group has a single rank.
+
+Sequence parallelism and what backward keeps: a column-parallel linear reading an all-gathered input
+would keep the gathered (full-sequence) tensor for its weight gradient, ``t`` times what the rank
+holds. :func:`gather_for_column_parallel` (one entry collective shared by several column layers)
+and :class:`~lightning_3d.tensor_parallel.layers.ColumnParallelLinear` instead keep the sequence
+shard and all-gather it again in backward (Megatron-LM's scheme; Korthikanti et al. 2022, section
+4.2.2), so a layer's saved input is ``1/t`` of the gathered one.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,6 +65,23 @@ def gather_along(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     # (world, ..., d, ...) -> (..., world * d, ...)
     dim = dim % x.dim()
     return flat.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def start_gather_along_first(x: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Any]:
+    """Start an all-gather of ``x`` (contiguous) along dim 0 without waiting: (output, work).
+    The output is ``(world * x.shape[0], ...)`` on ``x``'s device; call ``work.wait()`` before reading it."""
+    world = _world(group)
+    flat = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.all_gather_into_tensor(flat, x, group=group, async_op=True)
+    return flat, work
+
+
+def unflatten_gathered(flat: Tensor, shape: tuple[int, ...], dim: int) -> Tensor:
+    """``(world * d0, ...)`` gathered by :func:`start_gather_along_first` from pieces of ``shape`` -> the
+    pieces concatenated along ``dim`` (what :func:`gather_along` returns)."""
+    world = flat.shape[0] // shape[0]
+    dim = dim % len(shape)
+    return flat.view(world, *shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter_along(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
@@ -166,8 +190,89 @@ def scatter_to_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int =
 
 
 def gather_from_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
-    """Enter a tensor-parallel region from a sequence-sharded one (the sequence-parallel ``f``)."""
+    """Enter a tensor-parallel region from a sequence-sharded one (the sequence-parallel ``f``).
+
+    Whatever reads the gathered tensor and saves it for backward keeps the full sequence; for
+    column-parallel layers use :func:`gather_for_column_parallel` (or let the layer gather)."""
     return x if _world(group) == 1 else _Gather.apply(x, dim, group, True)
+
+
+class SequenceShard:
+    """Attached (as ``SEQUENCE_SHARD_ATTR``) to a tensor :func:`gather_for_column_parallel` gathered:
+    the shard it came from, so that column-parallel layers reading the gathered tensor keep the shard
+    for backward instead (:class:`~lightning_3d.tensor_parallel.layers.ColumnParallelLinear`).
+
+    Layers computing in another dtype (autocast) share one cast of the shard (``cast``); the layers'
+    backward passes share one re-gather of it (``regather``). The object lives as long as the
+    gathered tensor (forward only); ``regather`` is referenced by the layers' autograd nodes and
+    holds a tensor only between the first and the last of their backward passes."""
+
+    __slots__ = ("shard", "dim", "group", "casts", "regather")
+
+    def __init__(self, shard: Tensor, dim: int, group: dist.ProcessGroup) -> None:
+        self.shard, self.dim, self.group = shard, dim, group
+        self.casts: dict[torch.dtype, Tensor] = {}
+        self.regather = SharedRegather()
+
+    def shard_as(self, dtype: torch.dtype) -> Tensor:
+        """The shard (detached) in ``dtype``: one cast per dtype, shared by the layers."""
+        if self.shard.dtype == dtype:
+            return self.shard.detach()
+        if dtype not in self.casts:
+            self.casts[dtype] = self.shard.detach().to(dtype)
+        return self.casts[dtype]
+
+
+class SharedRegather:
+    """One backward all-gather of a saved sequence shard for the column layers that read it: the first
+    layer whose backward runs starts it (``begin``, asynchronous: the input gradient is computed
+    meanwhile), ``finish`` waits for it; the others reuse it, and after the last of the layers
+    counted in forward (``register``) it is let go."""
+
+    __slots__ = ("users", "left", "full", "pending")
+
+    def __init__(self) -> None:
+        self.users, self.left = 0, 0
+        self.full: Optional[Tensor] = None
+        self.pending: Optional[tuple[Tensor, Any, tuple[int, ...], int]] = None
+
+    def register(self) -> "SharedRegather":
+        self.users += 1
+        return self
+
+    def begin(self, shard: Tensor, dim: int, group: dist.ProcessGroup) -> None:
+        if self.full is None and self.pending is None:
+            flat, work = start_gather_along_first(shard.contiguous(), group)
+            self.pending = (flat, work, tuple(shard.shape), dim)
+
+    def finish(self) -> Tensor:
+        if self.full is None:
+            assert self.pending is not None, "SharedRegather.finish() before begin()"
+            flat, work, shape, dim = self.pending
+            self.pending = None
+            if work is not None:
+                work.wait()
+            self.full, self.left = unflatten_gathered(flat, shape, dim), self.users
+        full = self.full
+        self.left -= 1
+        if self.left <= 0:
+            self.full = None
+        return full
+
+
+SEQUENCE_SHARD_ATTR = "_lightning_3d_sequence_shard"
+
+
+def gather_for_column_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
+    """:func:`gather_from_sequence_parallel` for an input several column-parallel layers read (q/k/v,
+    gate/up): one all-gather in forward, one reduce-scatter of their summed input gradients in backward,
+    and -- unlike a plain gather -- the layers keep ``x`` (the shard) for their weight gradients, not the
+    gathered tensor, and re-gather it once in backward."""
+    if _world(group) == 1:
+        return x
+    gathered = _Gather.apply(x, dim, group, True)
+    setattr(gathered, SEQUENCE_SHARD_ATTR, SequenceShard(x, dim, group))
+    return gathered
 
 
 def reduce_scatter_to_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lightning_3d.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
-    gather_from_sequence_parallel,
+    gather_for_column_parallel,
     gather_from_tensor_parallel,
     scatter_to_sequence_parallel,
 )
@@ -107,13 +107,15 @@ def _map_first_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor], 
 
 @dataclass
 class PrepareInput(Style):
-    """One entry collective for everything the module's first input feeds."""
+    """One entry collective for everything the module's first input feeds. Under sequence parallelism
+    the column layers reading the gathered input keep its sequence shard for backward, not the
+    gathered tensor (:func:`~lightning_3d.tensor_parallel.mappings.gather_for_column_parallel`)."""
 
     names: tuple[str, ...] = ("hidden_states", "x", "input")
 
     def apply(self, module: nn.Module, ctx: PlanContext) -> None:
         group = ctx.tp_group
-        enter = functools.partial(gather_from_sequence_parallel if ctx.sequence_parallel else copy_to_tensor_parallel, group=group)
+        enter = functools.partial(gather_for_column_parallel if ctx.sequence_parallel else copy_to_tensor_parallel, group=group)
 
         def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return _map_first_input(args, kwargs, enter, self.names)
