@@ -28,6 +28,7 @@ from lightning_3d.planner import (
 from lightning_3d.planner.cli import parse_layout
 from lightning_3d.planner.published import A100_3D, PublishedRun
 from lightning_3d.planner.published import problem as published_problem
+from lightning_3d.planner.search import stage_layers
 from lightning_3d.recipe import CONF_DIR, compose_config
 
 
@@ -450,6 +451,8 @@ def test_zb_h1_with_recompute_is_never_proposed() -> None:
     proposed = [layout for degrees in planner.degrees() for layout in planner.options(*degrees)]
     zb = [layout for layout in proposed if layout.schedule == "zb_h1"]
     assert zb and all(layout.recompute == "none" for layout in zb)
+    vee = [layout for layout in proposed if layout.schedule in ("zb_v", "dualpipe_v")]
+    assert vee and all(layout.recompute == "none" and layout.virtual_stages == 2 for layout in vee)
     assert any(layout.recompute != "none" for layout in proposed if layout.schedule == "1f1b" and layout.pp > 1)
     for recompute in ("selective", "full"):
         assert "planner:zero_bubble_recompute" in [r.rule for r in planner.refusals(replace(zb[0], recompute=recompute))]
@@ -470,13 +473,59 @@ def _problem_small() -> Problem:
     return problem_from_config(compose("cluster.devices_per_node=8", "model.n_head=8", "model.n_layer=8"))
 
 
-def test_search_picks_zb_h1_where_it_fits_without_recompute() -> None:
-    """GPT 39.1B on 16 H100s: tp2 x pp2 x dp4 with ZB-H1 (32 micro-batches, no recomputation) ranks
-    first, ahead of the interleaved pipelines; zb_h1 only in lightning_3d's profile."""
+def test_search_picks_a_zero_bubble_schedule_where_it_fits_without_recompute() -> None:
+    """GPT 39.1B on 16 H100s: tp2 x pp2 x dp4 with ZB-V (32 micro-batches, no recomputation) ranks
+    first, ahead of ZB-H1 at the same layout, which is ahead of 1F1B and the interleaved pipelines;
+    the zero-bubble schedules only in lightning_3d's profile."""
     from lightning_3d.planner import plan
 
-    best = plan(_zb_problem()).ranked[0]
-    assert best.layout.schedule == "zb_h1" and best.layout.recompute == "none"
+    ranked = plan(_zb_problem()).ranked
+    best = ranked[0]
+    assert best.layout.schedule == "zb_v" and best.layout.virtual_stages == 2 and best.layout.recompute == "none"
     assert (best.layout.tp, best.layout.pp) == (2, 2)
+    planner = Planner(_zb_problem())
+    steps = {s: planner.evaluate(replace(best.layout, schedule=s, virtual_stages=1)).step_seconds for s in ("zb_h1", "1f1b")}
+    assert best.step_seconds < steps["zb_h1"] < steps["1f1b"]
     for name, software in SOFTWARE.items():
-        assert ("zb_h1" in software.schedules) == (name == "lightning_3d")
+        for schedule in ("zb_h1", "zb_v", "dualpipe_v"):
+            assert (schedule in software.schedules) == (name == "lightning_3d")
+
+
+@pytest.mark.parametrize("schedule", ["zb_v", "dualpipe_v"])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_v_schedules_step_and_in_flight_are_their_simulation(schedule: str, pp: int) -> None:
+    """The planner's ZB-V / DualPipeV is the runtime's schedule on paper (F = 0.5, B = 1 per half-size
+    chunk): step = makespan / 3 micro-batch times, in flight = half-size chunks / 2. From m >= 2pp - 1
+    the exact formula stands in: m + (pp - 1)/6, and pp (ZB-V) or pp + 1/2 (DualPipeV) micro-batches of
+    a rank's layers on every rank -- 1F1B's first stage's memory, below ZB-H1's bubble."""
+    from lightning_3d.pipeline.schedules import build_schedule
+    from lightning_3d.pipeline.simulator import simulate
+    from lightning_3d.planner.zero_bubble import v_pipeline, zb_h1_pipeline
+
+    for m in sorted({1, pp, 2 * pp - 1, 2 * pp, 3 * pp, 8 * pp}):
+        if schedule == "dualpipe_v" and m < 2 * pp:
+            continue  # (refused by the layout rules)
+        sim = simulate(build_schedule(schedule, pp, m, 2), forward_time=0.5, backward_time=1.0)
+        zb = v_pipeline(schedule, pp, m)
+        assert zb.step_units == pytest.approx(sim.makespan / 3)
+        assert zb.in_flight == pytest.approx(tuple(n / 2 for n in sim.max_in_flight))
+        assert activations_in_flight(schedule, pp, m, 2) == pytest.approx(max(sim.max_in_flight) / 2)
+        if m >= 2 * pp - 1:
+            assert not zb.simulated and zb.step_units == pytest.approx(m + (pp - 1) / 6)
+            assert zb.step_units < zb_h1_pipeline(pp, m).step_units
+            assert max(zb.in_flight) == pp + (0.5 if schedule == "dualpipe_v" else 0)
+
+
+def test_v_schedules_put_the_head_beside_the_embedding() -> None:
+    """Under a V, rank 0 holds the first and the last piece: the head's parameters and logits are
+    counted there (with a tied embedding, once), and the last rank holds only blocks."""
+    planner = Planner(_zb_problem())
+    layout = Layout(4, 2, 2, zero_stage=1, sequence_parallel=True, schedule="zb_v", virtual_stages=2)
+    layers, _ = stage_layers(48, 2, 2, 0.0, v_shape=True)
+    assert layers == [24, 24]
+    first, last = planner.stage_psi(layout, layers, 0), planner.stage_psi(layout, layers, 1)
+    one = Layout(4, 2, 2, zero_stage=1, sequence_parallel=True)
+    assert first > planner.stage_psi(one, layers, 0) and last < planner.stage_psi(one, layers, 1)
+    assert first + last == pytest.approx(planner.stage_psi(one, layers, 0) + planner.stage_psi(one, layers, 1) - (
+        planner.problem.model.vocab * planner.problem.model.hidden / 2 if planner.problem.model.tied_embeddings else 0))
+    assert "zb_v" in layout.short() and "interleaved" not in layout.short()

@@ -84,7 +84,8 @@ def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds:
     lines = [head, cols, "-" * len(cols)]
     for i, e in enumerate(rows, 1):
         lay, mem = e.layout, e.memory
-        schedule = "-" if lay.pp == 1 else ("interl." + f"v{lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule)
+        interleaved = lay.schedule == "interleaved_1f1b" and lay.virtual_stages > 1
+        schedule = "-" if lay.pp == 1 else (f"interl.v{lay.virtual_stages}" if interleaved else lay.schedule)
         other = mem["buffers"] + mem["reserved"]
         cp = "-" if lay.cp == 1 else f"{lay.cp}" + ("a" if lay.context_parallel_mode == "all_to_all" else "r")
         activations = mem["activations"] + mem["recompute"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_3d.planner.model_shape import ModelShape
-from lightning_3d.planner.zero_bubble import zb_h1_pipeline
+from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, zero_bubble_pipeline
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -102,13 +102,16 @@ def activations_in_flight(schedule: str, pp: int, micro_batches: int, virtual_st
     peak, as a multiple of (its layers x one micro-batch). 1F1B: ``pp`` (Narayanan et al. 2021);
     interleaved: ``pp`` (1 + (pp - 1) / (pp v)) (Korthikanti et al. eq. 5); GPipe: all ``m``; ZB-H1:
     the most any stage but the last holds in its simulation (F to W; at most ``pp``, 1F1B's first
-    stage), an upper bound for all of them since the first stage has the most layers among them."""
+    stage), an upper bound for all of them since the first stage has the most layers among them;
+    ZB-V / DualPipeV: the most any rank holds (``pp``, ``pp + 1/2`` on every rank from m >= 2pp - 1)."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(micro_batches)
     if schedule == "zb_h1":
-        return float(max(zb_h1_pipeline(pp, micro_batches).in_flight[:-1]))
+        return float(max(zero_bubble_pipeline(schedule, pp, micro_batches).in_flight[:-1]))
+    if schedule in ZERO_BUBBLE:  # (a V: every rank holds as many layers; with m < 2pp - 1 not rank 0 the most)
+        return float(max(zero_bubble_pipeline(schedule, pp, micro_batches).in_flight))
     warm = float(min(pp, micro_batches))
     if schedule == "interleaved_1f1b" and virtual_stages > 1:
         return warm * (1.0 + (pp - 1) / (pp * virtual_stages))
@@ -123,8 +126,8 @@ def last_stage_in_flight(schedule: str, pp: int, micro_batches: int) -> float:
         return 1.0
     if schedule == "gpipe":
         return float(micro_batches)
-    if schedule == "zb_h1":
-        return float(zb_h1_pipeline(pp, micro_batches).in_flight[-1])
+    if schedule in ZERO_BUBBLE:
+        return float(zero_bubble_pipeline(schedule, pp, micro_batches).in_flight[-1])
     return 1.0
 
 
@@ -181,8 +184,8 @@ def stage_in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: 
         return activations_in_flight(schedule, pp, micro_batches, virtual_stages)
     if schedule == "gpipe":
         return float(micro_batches)
-    if schedule == "zb_h1":
-        return float(zb_h1_pipeline(pp, micro_batches).in_flight[stage])
+    if schedule in ZERO_BUBBLE:
+        return float(zero_bubble_pipeline(schedule, pp, micro_batches).in_flight[stage])
     if schedule == "interleaved_1f1b" and virtual_stages > 1:
         v = virtual_stages
         return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, micro_batches * v) / v

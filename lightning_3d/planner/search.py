@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Iterator, Optional
 
 from lightning_3d.layout_rules import (
+    V_SHAPED,
     LayoutRefused,
     Refusal,
     batch_refusals,
@@ -37,10 +38,10 @@ from lightning_3d.planner.memory import (
 )
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.planner.timing import HBM_EFFICIENCY, head_cost, layer_cost, optimizer_seconds, p2p_seconds
-from lightning_3d.planner.zero_bubble import zb_h1_pipeline
+from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, zero_bubble_pipeline
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1", "zb_v", "dualpipe_v")
 OFFLOAD = ("none", "cpu", "nvme")
 # Fraction of device memory the caching allocator can hand out before fragmentation bites; a
 # plan that needs more is rejected (PyTorch typically loses 5-10% to fragmentation at peak).
@@ -89,8 +90,8 @@ class Software:
 
 
 SOFTWARE: dict[str, Software] = {
-    # lightning_3d alone offers zero-bubble ZB-H1 (never with recomputation: the strategy refuses it)
-    "lightning_3d": Software("lightning_3d", schedules=("1f1b", "interleaved_1f1b", "zb_h1")),
+    # lightning_3d alone offers the zero-bubble schedules (the planner never with recomputation)
+    "lightning_3d": Software("lightning_3d", schedules=("1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")),
     # Megatron-LM as in Narayanan et al. 2021: no ZeRO, no sequence parallelism (2022), unfused
     # softmax attention (FlashAttention is 2022), full recomputation, 1F1B or interleaved 1F1B.
     "megatron_2021": Software(
@@ -207,7 +208,8 @@ class Layout:
             parts.append(f"cp={self.cp}" + ("(a2a)" if self.context_parallel_mode == "all_to_all" else ""))
         parts.append(f"mb={self.micro_batch_size}")
         if self.pp > 1:
-            parts.append("interleaved" + f"(v={self.virtual_stages})" if self.virtual_stages > 1 else self.schedule)
+            interleaved = self.schedule == "interleaved_1f1b" and self.virtual_stages > 1
+            parts.append(f"interleaved(v={self.virtual_stages})" if interleaved else self.schedule)
         parts.append(f"zero={self.zero_stage}")
         if self.sequence_parallel:
             parts.append("sp")
@@ -294,11 +296,17 @@ class Problem:
             raise ValueError(f"global_batch={self.global_batch} must be positive.")
 
 
-def stage_layers(n_layer: int, pp: int, v: int, head_weight: float) -> tuple[list[int], list[int]]:
+def head_stage(schedule: str, pp: int) -> int:
+    """The pipeline rank holding the head (and the loss): the last, or rank 0 under a V."""
+    return 0 if schedule in V_SHAPED else pp - 1
+
+
+def stage_layers(n_layer: int, pp: int, v: int, head_weight: float, v_shape: bool = False) -> tuple[list[int], list[int]]:
     """Layers per physical stage and the split points (block indices where pieces 2.. start).
 
     ``v == 1``: the last stage carries the head, worth ``head_weight`` layers, so it gets fewer
-    layers when that balances the stages. ``v > 1``: uniform pieces, dealt round-robin.
+    layers when that balances the stages. ``v > 1``: uniform pieces, dealt round-robin, or in a V
+    (``v_shape``: rank r holds pieces r and 2pp-1-r).
     """
     if pp == 1:
         return [n_layer], []
@@ -306,6 +314,8 @@ def stage_layers(n_layer: int, pp: int, v: int, head_weight: float) -> tuple[lis
         pieces = pp * v
         base, extra = divmod(n_layer, pieces)
         sizes = [base + (1 if i < extra else 0) for i in range(pieces)]
+        if v_shape:
+            return [sizes[i] + sizes[pieces - 1 - i] for i in range(pp)], []
         per_stage = [sum(sizes[i::pp]) for i in range(pp)]
         return per_stage, []
     best: Optional[tuple[float, list[int]]] = None
@@ -413,7 +423,8 @@ class Planner:
         if not p.software.tp_comm_overlap:
             head_seconds += 2 * collective_cost("all_reduce", mb * local_seq * model.hidden * 2.0, self._group(1, t), self.nccl).seconds
         head_weight = head_seconds / cost.total if p.software.balanced_stages else 0.0
-        layers, split_points = stage_layers(model.n_layer, pp, v, head_weight)
+        layers, split_points = stage_layers(model.n_layer, pp, v, head_weight, layout.schedule in V_SHAPED)
+        head_at = head_stage(layout.schedule, pp)
 
         # ---- memory, on the first stage (most activations in flight) and the last (head) ----
         in_flight = activations_in_flight(layout.schedule, pp, m, v)
@@ -451,7 +462,7 @@ class Planner:
 
         # ---- time ----
         stage_seconds = max(
-            n * cost.total + (head_seconds if i == pp - 1 else 0.0) for i, n in enumerate(layers)
+            n * cost.total + (head_seconds if i == head_at else 0.0) for i, n in enumerate(layers)
         )
         p2p = 0.0
         if pp > 1:
@@ -460,8 +471,8 @@ class Planner:
             hidden = p.software.p2p_overlap and v > 1  # Megatron-Core overlaps p2p for the interleaved schedule
             p2p = 0.0 if hidden else 2 * p2p_seconds(nbytes, self._bandwidth(t * cp * d, 2))  # a stage is dp x cp x tp ranks
         per_micro_batch = stage_seconds + v * p2p
-        if layout.schedule == "zb_h1" and pp > 1:  # its own simulated step (zero_bubble.py)
-            bubble = zb_h1_pipeline(pp, m).bubble_units * per_micro_batch
+        if layout.schedule in ZERO_BUBBLE and pp > 1:  # its own simulated (or exact) step (zero_bubble.py)
+            bubble = zero_bubble_pipeline(layout.schedule, pp, m).bubble_units * per_micro_batch
         elif v == 1:
             bubble = (pp - 1) * per_micro_batch
         else:  # the warm-up and drain run piece by piece: the largest piece sets the pace
@@ -535,8 +546,8 @@ class Planner:
         psi = layers[index] * layer_psi
         if index == 0:
             psi += embed_psi
-        if index == pp - 1:
-            psi += head_psi + (token_psi if model.tied_embeddings and pp > 1 else 0)  # the tied copy: token embedding only
+        if index == head_stage(layout.schedule, pp):  # (a V puts the head beside the embedding: one tied weight)
+            psi += head_psi + (token_psi if model.tied_embeddings and index > 0 else 0)  # the tied copy: token embedding only
         return psi
 
     def stage_memory(self, layout: Layout, layers: list[int], index: int, flight: float) -> tuple[float, dict[str, float]]:
@@ -546,7 +557,7 @@ class Planner:
         c, k = self.c, self.k
         t, pp, d, mb, cp = layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.cp
         local_seq = model.seq_len / cp
-        has_head = index == pp - 1
+        has_head = index == head_stage(layout.schedule, pp)
         psi = self.stage_psi(layout, layers, index)
         act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp)
         grad_bytes = c + (p.software.extra_grad_bytes if c == 2.0 else 0.0)
@@ -738,10 +749,10 @@ class Planner:
                 f"software profile {sw.name!r} splits layers evenly, and pp x v = {pp * v} does not divide the "
                 f"{model.n_layer} layers; choose v with pp x v dividing {model.n_layer}.",
             ))
-        if pp > 1 and layout.schedule == "zb_h1" and layout.recompute != "none" and not sw.zero_bubble_recompute:
+        if pp > 1 and layout.schedule in ZERO_BUBBLE and layout.recompute != "none" and not sw.zero_bubble_recompute:
             out.append(Refusal(
                 "planner:zero_bubble_recompute",
-                f"schedule=zb_h1 with recompute={layout.recompute}: the runtime may recompute a block for both halves "
+                f"schedule={layout.schedule} with recompute={layout.recompute}: the runtime may recompute a block for both halves "
                 f"of its backward (I and W), which the planner's time model does not count; use recompute=none, or "
                 f"schedule=1f1b / interleaved with recompute.",
             ))
@@ -807,6 +818,9 @@ class Planner:
         else:
             pairs = []
             for s in choices("schedule", sw.schedules):
+                if s in V_SHAPED:  # two chunks per rank, always
+                    pairs += [(s, v) for v in choices("virtual_stages", [2] if 2 * pp <= model.n_layer else [])]
+                    continue
                 if s != "interleaved_1f1b":
                     pairs += [(s, v) for v in choices("virtual_stages", [1])]
                     continue

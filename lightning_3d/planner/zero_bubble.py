@@ -8,6 +8,12 @@ costs about ``pp^2 (3m + pp)`` Python steps (its list scheduling tries every ``k
 paper's ZB-H1 instead: ``m + (pp - 1) / 3`` micro-batch times (bubble (p-1)/(3m+p-1), Qi et al.
 2023) and ``min(pp, m)`` micro-batches in flight on every stage. Where both are known the
 simulated step is 0-2% longer than the paper's (docs/planner.md).
+
+The V-shaped schedules (``zb_v``, ``dualpipe_v``: two half-size chunks per rank, the first and the
+last on rank 0) are simulated with F = 0.5 and B = 1 per chunk. From ``m >= 2pp - 1`` their step is
+exactly ``m + (pp - 1) / 6`` micro-batch times and every rank holds ``2pp`` chunks (ZB-V; ``2pp + 1``
+for DualPipeV), i.e. ``pp`` (``pp + 1/2``) micro-batches of its layers: the formulas are used there,
+the simulation below (where it is cheap).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 
 # pp^2 (3m + pp) list-scheduling steps, about 1 us each: ~30 ms per (pp, m) at most, once per process
 SIMULATED_WORK = 30_000
+ZERO_BUBBLE = ("zb_h1", "zb_v", "dualpipe_v")  # the schedules whose step and memory come from here
 
 
 @dataclass(frozen=True)
@@ -24,13 +31,35 @@ class ZeroBubblePipeline:
     pp: int
     micro_batches: int
     step_units: float  # the step in micro-batch times (one F + B); 1F1B's is m + pp - 1
-    in_flight: tuple[int, ...]  # per stage: most micro-batches between their F and their W
+    in_flight: tuple[float, ...]  # per stage: most micro-batches between their F and their W (or B)
     simulated: bool  # False: the paper's formula (the simulation would be too slow)
 
     @property
     def bubble_units(self) -> float:
         """Idle micro-batch times of a stage in one step (1F1B: pp - 1)."""
         return self.step_units - self.micro_batches
+
+
+def zero_bubble_pipeline(schedule: str, pp: int, micro_batches: int) -> ZeroBubblePipeline:
+    """The step and in-flight micro-batches of ``schedule`` (one of :data:`ZERO_BUBBLE`)."""
+    return zb_h1_pipeline(pp, micro_batches) if schedule == "zb_h1" else v_pipeline(schedule, pp, micro_batches)
+
+
+@functools.lru_cache(maxsize=None)
+def v_pipeline(schedule: str, pp: int, micro_batches: int) -> ZeroBubblePipeline:
+    """ZB-V or DualPipeV: the formula from ``m >= 2pp - 1``, else the schedule simulated (in-flight
+    counts in units of a rank's layers x one micro-batch: half-size chunks / 2)."""
+    m = micro_batches
+    extra = 0.5 if schedule == "dualpipe_v" and m >= 2 * pp else 0.0
+    if pp < 2:
+        return ZeroBubblePipeline(pp, m, float(m), (1.0 + extra,), True)
+    if m >= 2 * pp - 1:
+        return ZeroBubblePipeline(pp, m, m + (pp - 1) / 6, (pp + extra,) * pp, False)
+    from lightning_3d.pipeline.schedules import build_schedule
+    from lightning_3d.pipeline.simulator import simulate
+
+    sim = simulate(build_schedule(schedule, pp, m, 2), forward_time=0.5, backward_time=1.0)
+    return ZeroBubblePipeline(pp, m, sim.makespan / 3, tuple(n / 2 for n in sim.max_in_flight), True)
 
 
 @functools.lru_cache(maxsize=None)
