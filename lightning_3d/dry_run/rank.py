@@ -67,7 +67,11 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = q.new_empty(q.shape)
+        # the kernels write (batch, sequence, heads, dim) and return it transposed, so the usual
+        # ``out.transpose(1, 2).reshape(b, t, -1)`` before the output projection is a view of it (one
+        # storage, which the projection saves too), not a copy
+        b, h, t, d = q.shape
+        out = q.new_empty((b, t, h, d)).transpose(1, 2)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -78,23 +82,48 @@ class _FusedAttention(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """What ``F.rms_norm`` keeps on a GPU: its fused kernel (``aten._fused_rms_norm``, which torch
+    dispatches to when the weight's dtype is the input's) saves the input and one fp32 reciprocal
+    standard deviation per row. On the meta device (and the CPU) torch runs its composite instead,
+    which saves an fp32 upcast of the input and the fp32 normalized input (4x the kernel's bytes
+    in bf16): the dry run stands the kernel in, as for attention."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], dims: int) -> Tensor:
+        rstd = torch.empty((*x.shape[: x.dim() - dims], *([1] * dims)), dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, rstd, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, _, weight = ctx.saved_tensors
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None
+
+
 @contextmanager
 def fused_attention() -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` as a fused kernel's footprint (see :class:`_FusedAttention`)."""
+    """``F.scaled_dot_product_attention`` and ``F.rms_norm`` as their fused GPU kernels' footprints
+    (see :class:`_FusedAttention`, :class:`_FusedRMSNorm`)."""
     import torch.nn.functional as F
 
-    original = F.scaled_dot_product_attention
+    original, original_rms = F.scaled_dot_product_attention, F.rms_norm
 
     def sdpa(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if not q.is_meta:
             return original(q, k, v, *args, **kwargs)
         return _FusedAttention.apply(q, k, v)
 
-    F.scaled_dot_product_attention = sdpa
+    def rms_norm(x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None, eps: Optional[float] = None) -> Tensor:
+        if not x.is_meta or (weight is not None and weight.dtype != x.dtype):  # (a dtype mismatch: torch's composite)
+            return original_rms(x, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(x, weight, len(tuple(normalized_shape)))
+
+    F.scaled_dot_product_attention, F.rms_norm = sdpa, rms_norm
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        F.scaled_dot_product_attention, F.rms_norm = original, original_rms
 
 
 @dataclass

@@ -154,8 +154,9 @@ def activation_bytes(
     if embed_on_stage and model.dropout:
         stored += in_flight * hidden
     if head_on_stage:
-        # the final norm's saved tensors and the LM head's input (found by the dry run's count)
-        stored += (2.0 if model.rms_norm else 1.0) * hidden + c * model.seq_len / opts.cp * micro_batch * model.hidden
+        # the final norm's saved tensors and the LM head's input (found by the dry run's count); under
+        # sequence parallel the head, a column-parallel layer, keeps its input's sequence shard
+        stored += (2.0 if model.rms_norm else 1.0) * hidden + hidden
     if head_on_stage:
         # Logits and their gradient, split over the vocabulary by tensor parallelism.
         logits = opts.bytes_per_element * model.seq_len / opts.cp * micro_batch * model.vocab / opts.tp

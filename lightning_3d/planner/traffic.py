@@ -10,8 +10,10 @@ tensor parallelism has one all-reduce) move the same bytes, as it does.
 Per micro-batch and layer, with ``A = b (s / cp) h c`` (one activation of this rank's tokens):
 
 * ``tp``: forward 2 all-reduces of ``A`` (sequence parallel: 2 all-gathers + 2 reduce-scatters), the
-  same in backward and again in full recomputation's forward; the vocab-parallel embedding one
-  more in forward, the LM head's input one in backward (all-gather + reduce-scatter under SP), and
+  same in backward and again in full recomputation's forward; under sequence parallel backward also
+  all-gathers again the sequence shards the column layers kept (q/k/v input, MLP input: 2 more); the vocab-parallel embedding one
+  more in forward, the LM head's input one in backward (all-gather + reduce-scatter under SP, and the
+  re-gather of its kept shard), and
   the vocab-parallel cross-entropy three fp32 all-reduces per token (max, sum of exponentials,
   the target's logit). Sequence parallel adds, once per gradient hand-over, the all-reduce of the
   norm weights' gradients (bf16).
@@ -66,11 +68,15 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
         # forward and backward 2 each; torch's non-reentrant checkpoint stops the recomputed forward once
         # backward has what it saved, before the MLP's output all-reduce, unless a dropout after it keeps a mask
         calls = 4 + ((2 if model.dropout else 1) if full else 0)
+        if layout.sequence_parallel:  # backward all-gathers the kept sequence shards of the q/k/v and MLP inputs again
+            calls += 1  # (two all-gathers: one all-reduce's bytes)
         per_micro = layers[index] * calls * ring("all_reduce", act, t)  # an all-reduce, or an AG + RS pair under SP
         if first:  # vocab-parallel embedding: its output summed (reduce-scattered under SP)
             per_micro += ring("reduce_scatter" if layout.sequence_parallel else "all_reduce", act, t)
         if last:
             per_micro += ring("all_reduce", act, t)  # the head input: its gradient (AG + RS under SP)
+            if layout.sequence_parallel:
+                per_micro += ring("all_gather", act, t)  # its kept sequence shard, gathered again in backward
             per_micro += 3 * ring("all_reduce", mb * local * 4.0, t)  # vocab-parallel cross-entropy, fp32 per token
         out["tp"] = m * per_micro
         if layout.sequence_parallel:

@@ -13,6 +13,7 @@ seed agree; :meth:`from_dense` shards an existing module instead.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -119,7 +120,8 @@ def _linear_grads(
     tensor's dtype (as autocast's cast back would). The re-gather is started before the input
     gradient's matmul and waited for after it."""
     need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    with torch.autocast(grad_y.device.type, enabled=False):
+    device = grad_y.device.type
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
         if need_weight:
             regather.begin(shard, ctx.dim, ctx.group)
         compute = grad_y.dtype
