@@ -201,7 +201,10 @@ def dry_run(cfg: DictConfig, only: Optional[list[int]] = None) -> DryRunReport:
             with fake_world(world, role.rank):
                 measured = measure_rank(cfg, strategy, dims, role.rank, batch, _group_names(dims, role.rank), clip)
             stage = role.coords.pp
-            flight = stage_in_flight(layout.schedule, dims.pp, m, config.virtual_stages, stage)
+            sizes = [ranges[k][1] - ranges[k][0] for k in chunks_of[stage]]
+            flight = stage_in_flight(
+                layout.schedule, dims.pp, m, config.virtual_stages, stage, (sizes[0], sizes[1]) if v_shape else None
+            )
             cut = list(layers)
             cut[stage] = measured.layers  # the partition the runtime made
             _, memory = planner.stage_memory(layout, cut, stage, flight)

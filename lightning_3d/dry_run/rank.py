@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from lightning_3d.dry_run.counting import SavedBytes, Traffic, count, storage_bytes
 from lightning_3d.parallelize import parallelize
 from lightning_3d.pipeline.runtime import PipelineRuntime, _DeferredGradients, _Stash
-from lightning_3d.pipeline.schedules import V_SHAPED, build_schedule, piece_of
+from lightning_3d.pipeline.schedules import V_SHAPED, build_schedule, peer_of, piece_of
 from lightning_3d.precision import ThreeDPrecision
 from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
 from lightning_3d.topology import Coordinates, ParallelDims, Topology, use_topology
@@ -405,8 +405,9 @@ def _p2p_traffic(
         return out
     group = topology.pp_group
     boundary = math.prod(_boundary_shape(batch, dims, config)) * torch.empty((), dtype=dtype).element_size()
-    for a in build_schedule(schedule, p, m, v)[topology.pp_rank]:
-        if a.kind in ("SEND_ACT", "SEND_GRAD"):
+    rank = topology.pp_rank
+    for a in build_schedule(schedule, p, m, v)[rank]:
+        if a.kind in ("SEND_ACT", "SEND_GRAD") and peer_of(a, p, rank)[0] != rank:  # (the V's bottom: handed over)
             t = outputs[a.chunk] if a.kind == "SEND_ACT" else inputs[a.chunk]
             nbytes = t.numel() * t.element_size() if t is not None else boundary
             out.add(group, "send", nbytes)

@@ -30,9 +30,11 @@ on, multi-head attention, a 4h GELU MLP and unfused attention it is exactly the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from lightning_3d.layout_rules import V_SHAPED
 from lightning_3d.planner.model_shape import ModelShape
-from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, zero_bubble_pipeline
+from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_stage_in_flight, zero_bubble_pipeline
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -170,14 +172,19 @@ def activation_bytes(
     return {"stored": stored, "recompute": recompute}
 
 
-def stage_in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int, stage: int) -> float:
+def stage_in_flight(
+    schedule: str, pp: int, micro_batches: int, virtual_stages: int, stage: int, chunk_layers: Optional[tuple[int, int]] = None
+) -> float:
     """Micro-batches' worth of its layer activations pipeline stage ``stage`` holds at its peak (in
     units of its layers x one micro-batch). 1F1B: ``min(pp - stage, m)``; interleaved: the warm-up
     of Narayanan et al. 2021 ((pp - stage - 1) x 2 + (v - 1) pp + 1 pieces, over v), which is
     :func:`activations_in_flight`'s Korthikanti formula on the first stage; GPipe: all ``m``; the
-    last stage: :func:`last_stage_in_flight`; ZB-H1: its simulation."""
+    last stage: :func:`last_stage_in_flight`; ZB-H1: its simulation; a V given its ``chunk_layers``:
+    :func:`~lightning_3d.planner.zero_bubble.v_stage_in_flight`."""
     if pp == 1:
         return 1.0
+    if chunk_layers is not None and schedule in V_SHAPED:  # a V: weighed by its two chunks' layers
+        return v_stage_in_flight(schedule, pp, micro_batches, stage, chunk_layers)
     interleaved = schedule == "interleaved_1f1b" and virtual_stages > 1
     if stage == pp - 1 and not interleaved:  # (interleaved: the last rank's other chunks stay in flight)
         return last_stage_in_flight(schedule, pp, micro_batches)

@@ -34,11 +34,12 @@ from lightning_3d.planner.memory import (
     activation_bytes,
     activations_in_flight,
     last_stage_in_flight,
+    stage_in_flight,
     zero_model_state_bytes,
 )
 from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.planner.timing import HBM_EFFICIENCY, head_cost, layer_cost, optimizer_seconds, p2p_seconds
-from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, zero_bubble_pipeline
+from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_chunk_layers, zero_bubble_pipeline
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1", "zb_v", "dualpipe_v")
@@ -429,7 +430,10 @@ class Planner:
         # ---- memory, on the first stage (most activations in flight) and the last (head) ----
         in_flight = activations_in_flight(layout.schedule, pp, m, v)
         stages = [(0, in_flight)]
-        if pp > 1:
+        if pp > 1 and layout.schedule in V_SHAPED:  # every rank holds two chunks: rank 0 with the head, the V's bottom
+            chunks = v_chunk_layers(model.n_layer, pp)
+            stages = [(i, stage_in_flight(layout.schedule, pp, m, v, i, chunks[i])) for i in (0, pp - 1)]
+        elif pp > 1:
             stages.append((pp - 1, last_stage_in_flight(layout.schedule, pp, m)))  # 1F1B: 1, each micro-batch finishes at once
         best_memory: Optional[dict[str, float]] = None
         psi_max = 0.0

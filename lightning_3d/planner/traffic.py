@@ -60,7 +60,9 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
     local = model.seq_len / cp
     act = mb * local * model.hidden * c
     full = layout.recompute == "full"
-    first, last = index == 0, index == pp - 1
+    from lightning_3d.planner.search import V_SHAPED, head_stage
+
+    first, last = index == 0, index == head_stage(layout.schedule, pp)  # (a V: the head beside the embedding)
     out: dict[str, float] = {}
 
     # -- tensor parallel, per micro-batch ---------------------------------------------------------
@@ -96,6 +98,8 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
         boundary = mb * local * model.hidden * c / (t if layout.sequence_parallel else 1)
         pieces = pp * v
         sends = sum((piece < pieces - 1) + (piece > 0) for piece in chunks)
+        if layout.schedule in V_SHAPED and index == pp - 1:
+            sends -= 2  # the V's bottom: pieces pp-1 and pp on this rank hand over without a send
         out["pp"] = m * sends * boundary
 
     # -- data parallel (the weight replicas: dp x cp) ------------------------------------------------------
@@ -110,6 +114,6 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
             out["dp"] = m * (2 * ring("all_gather", psi * c, d) + ring("reduce_scatter", psi * grad_bytes, d))
 
     # -- tied embedding copies over the pipeline ------------------------------------------------------
-    if pp > 1 and model.tied_embeddings and (first or last):
+    if pp > 1 and model.tied_embeddings and (first or last) and head_stage(layout.schedule, pp) != 0:
         out["embedding"] = ring("all_reduce", model.vocab * model.hidden / t * c, 2)
     return out

@@ -75,3 +75,29 @@ def zb_h1_pipeline(pp: int, micro_batches: int) -> ZeroBubblePipeline:
 
     sim = simulate(build_schedule("zb_h1", pp, m), forward_time=1.0, backward_time=2.0)
     return ZeroBubblePipeline(pp, m, sim.makespan / 3, tuple(sim.max_in_flight), True)
+
+
+def v_chunk_layers(n_layer: int, pp: int) -> list[tuple[int, int]]:
+    """Per rank, the layers of its two chunks under a V (uniform pieces, as the runtime cuts them)."""
+    base, extra = divmod(n_layer, 2 * pp)
+    sizes = [base + (1 if i < extra else 0) for i in range(2 * pp)]
+    return [(sizes[r], sizes[2 * pp - 1 - r]) for r in range(pp)]
+
+
+@functools.lru_cache(maxsize=4096)
+def v_stage_in_flight(schedule: str, pp: int, micro_batches: int, stage: int, chunk_layers: tuple[int, int]) -> float:
+    """Micro-batches' worth of rank ``stage``'s layers held at its peak under a V whose two chunks have
+    ``chunk_layers`` layers: the most of ``alive0 x L0 + alive1 x L1`` along the rank's own order (its
+    counts change only at its own computes), over ``L0 + L1``. With uneven chunks the first one (which
+    warms up with the most forwards) weighs more than :func:`v_pipeline`'s even split says."""
+    from lightning_3d.pipeline.schedules import _compute_order
+
+    alive, peak = [0, 0], 0.0
+    for kind, _, chunk in _compute_order(schedule, pp, micro_batches, 2, stage):
+        if kind == "F":
+            alive[chunk] += 1
+        elif kind in ("B", "W"):
+            alive[chunk] -= 1
+        peak = max(peak, alive[0] * chunk_layers[0] + alive[1] * chunk_layers[1])
+    return peak / max(1, sum(chunk_layers))
+
