@@ -371,21 +371,28 @@ def host_reads_world(schedules: list[tuple[str, int]]) -> dict[str, list[str]]:
         g = torch.Generator().manual_seed(topology.dp_rank)
         x, y = torch.randn(8, 16, 64, generator=g), torch.randn(8, 16, 64, generator=g)
         model(x, y).backward()  # the first step describes activation shapes to the next stage (read once)
+        first = model.pipeline_runtime.last_step.new_buffers
         log: list[str] = []
         with host_reads_logged(log):
             model(x, y).backward()
-        out[f"{name}_v{v}"] = log
+        out[f"{name}_v{v}"] = {"reads": log, "buffers": (first, model.pipeline_runtime.last_step.new_buffers)}
     return out
 
 
-def test_a_training_step_never_reads_a_tensor_on_the_host():
+def test_a_training_step_never_reads_a_tensor_on_the_host_nor_allocates_receive_buffers():
     """After the first step, a pipeline step (dp2 x pp2: the data-parallel loss factor, P2P, the
     zero-bubble halves, the deferred gradients' scaling) never reads a tensor's value on the host, so
     on a GPU nothing in the schedule waits for the device. (WideToy counts its targets from shapes; a
-    model that counts unmasked targets reads one count per micro-batch, before the schedule.)"""
+    model that counts unmasked targets reads one count per micro-batch, before the schedule.) Its
+    receives land in buffers the first step allocated: fewer than one per message (a buffer is reused
+    once its micro-batch's backward is done), none new after that."""
     schedules = [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2)]
     for rank in run_on_ranks(host_reads_world, 4, schedules, timeout=240):
-        assert rank == {f"{n}_v{v}": [] for n, v in schedules}
+        for n, v in schedules:
+            run = rank[f"{n}_v{v}"]
+            assert run["reads"] == [], n
+            first, second = run["buffers"]
+            assert 0 < first < 2 * 4 * v and second == 0, (n, first, second)  # 4 micro-batches, act + grad per chunk
 
 
 def test_each_micro_batch_runs_forward_and_backward_once_per_chunk():

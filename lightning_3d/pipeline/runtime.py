@@ -64,6 +64,7 @@ class StepStats:
     busy_s: float = 0.0
     max_in_flight: int = 0
     micro_batches: int = 0
+    new_buffers: int = 0  # receive buffers allocated (the others were reused from earlier micro-batches or steps)
     compute_s: dict[str, float] = field(default_factory=dict)  # seconds per compute kind (F, B, I, W)
     computes: dict[str, int] = field(default_factory=dict)  # how many of each ran
 
@@ -151,6 +152,7 @@ class PipelineRuntime:
         self._plans: dict[tuple[int, bool], list[Step]] = {}
         self._described: dict[tuple[tuple, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._group_ready = False
+        self._spare: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}  # receive buffers free for reuse
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -328,8 +330,8 @@ class PipelineRuntime:
             self._group_ready = True
         m = len(micro)
         weights = self._weights(micro, train) if _has_targets(micro[0]) else [0.0] * m
-        wire = _Wire(self, [_signature(mb, train) for mb in micro])
         stats = StepStats(micro_batches=m)
+        wire = _Wire(self, [_signature(mb, train) for mb in micro], stats if train else None)
         start = time.perf_counter()
         stored: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
         held: dict[tuple[int, int], list[dict[str, Any]]] = {}  # I ran, W not yet: autograd's saved state
@@ -376,15 +378,20 @@ class PipelineRuntime:
                     x_grad, held[key] = self._input_gradient(piece, target, grad, x, parameters)
                 if x is not None:  # a piece that did not use its input still owes its peer a gradient
                     wire.outgoing[("SEND_GRAD", *key)] = x_grad if x_grad is not None else torch.zeros_like(x)
+                del x, out, grad, target
+                if step.kind == "B":
+                    wire.give_back(key)
                 stats.count(step.kind, time.perf_counter() - t0)
             elif step.kind == "W":
                 t0 = time.perf_counter()
                 self._weight_gradient(held.pop((step.micro, step.chunk)), parameters)
+                wire.give_back((step.micro, step.chunk))  # (W may read intermediate gradients aliasing the received one)
                 stats.count(step.kind, time.perf_counter() - t0)
             else:
                 wire.hand_over(step)
         assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
         assert not held, "the schedule left weight gradients behind"
+        wire.keep_spares()
         stats.wall_s = time.perf_counter() - start
         self.last_step = stats
         self.history.append(stats)
@@ -507,8 +514,14 @@ class _Wire:
     batch go first, in a batch of their own, waited at once on the receiving side (see
     ``schedules.headers_of``)."""
 
-    def __init__(self, runtime: PipelineRuntime, signatures: list[tuple]) -> None:
+    def __init__(self, runtime: PipelineRuntime, signatures: list[tuple], stats: Optional[StepStats] = None) -> None:
         self.runtime, self.signatures = runtime, signatures
+        # training: receive buffers come from (and go back to) the runtime's spares; ``lent`` holds, per
+        # (micro, chunk), those still in use: the input until its piece's backward (B, or W after I),
+        # the gradient until then too
+        self.stats = stats
+        self.lent: dict[tuple[int, int], list[Tensor]] = {}
+        self.shapes_used: set[tuple[tuple[int, ...], torch.dtype]] = set()
         self.group = runtime.topology.pp_group
         self.device = runtime._device()
         self.outgoing: dict[tuple[str, int, int], Tensor] = {}  # (SEND_*, micro, chunk) -> what the compute produced
@@ -568,7 +581,7 @@ class _Wire:
                 else:  # a gradient has the shape of the activation it belongs to
                     like = stored[(a.micro, a.chunk)][1]
                     dtype, shape = like.dtype, tuple(like.shape)
-                t = torch.empty(shape, dtype=dtype, device=self.device)
+                t = self._buffer(tuple(shape), dtype, (a.micro, a.chunk))
                 ops.append(dist.P2POp(dist.irecv, t, peer, self.group))
                 arriving.append(((a.kind, a.micro, a.chunk), t))
             tensors.append(t)
@@ -580,6 +593,38 @@ class _Wire:
         self.works[self.posted] = (works, tensors)
         self.arriving[self.posted] = arriving
         self.posted += 1
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype, owner: tuple[int, int]) -> Tensor:
+        """A receive buffer: in training a spare one of this shape when there is one (no allocation
+        in the step once the shapes are known), else a new one."""
+        if self.stats is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        self.shapes_used.add((shape, dtype))
+        spare = self.runtime._spare.get((shape, dtype))
+        if spare:
+            t = spare.pop()
+            t.grad = None
+            t.requires_grad_(False)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self.stats.new_buffers += 1
+        self.lent.setdefault(owner, []).append(t)
+        return t
+
+    def give_back(self, owner: tuple[int, int]) -> None:
+        """The micro-batch's piece finished its backward: its receive buffers are spares again, unless
+        one shares memory with a tensor still to be sent (a gradient autograd handed through)."""
+        sending = {t.untyped_storage().data_ptr() for t in self.outgoing.values()}
+        sending |= {t.untyped_storage().data_ptr() for _, tensors in self.works.values() for t in tensors}
+        for t in self.lent.pop(owner, ()):
+            if t.untyped_storage().data_ptr() not in sending:
+                self.runtime._spare.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    def keep_spares(self) -> None:
+        """End of a training step: keep spares only of the shapes this step received (a changed batch
+        shape does not pin the old buffers)."""
+        if self.stats is not None:
+            self.runtime._spare = {k: v for k, v in self.runtime._spare.items() if k in self.shapes_used}
 
     def wait(self, items: tuple[int, ...]) -> None:
         """Wait for posted items; their receives are then complete and go to the computes."""
