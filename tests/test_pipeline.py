@@ -439,12 +439,12 @@ def test_zero3_with_pipeline_is_refused_with_the_alternative():
 
 
 # -- the runtime through the Trainer ---------------------------------------------------------------------
-def gpt_run(steps: int = STEPS, layers: int = 4, **strategy: Any) -> dict[str, Any]:
+def gpt_run(steps: int = STEPS, layers: int = 4, accumulate: int = 1, **strategy: Any) -> dict[str, Any]:
     L.seed_everything(0)
     recorder = LossRecorder()
     trainer = quiet_trainer(
         max_steps=steps, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.5,
-        strategy=ThreeDParallelStrategy(**strategy),
+        accumulate_grad_batches=accumulate, strategy=ThreeDParallelStrategy(**strategy),
     )
     model = tiny_gpt(lr=3e-3, n_layer=layers)
     trainer.fit(model, tiny_data(global_batch_size=8))
@@ -611,10 +611,12 @@ def four_rank_world() -> dict[str, Any]:
             "pp4_zb_h1": lambda: gpt_run(pipeline_parallel=4, pipeline_schedule="zb_h1", micro_batches=8),
             "tp2pp2_zb_h1_zero1": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="zb_h1", zero_stage=1),
             "pp4_zb_v": lambda: gpt_run(layers=8, pipeline_parallel=4, pipeline_schedule="zb_v", micro_batches=8),
-            "pp4_dualpipe_v": lambda: gpt_run(layers=8, pipeline_parallel=4, pipeline_schedule="dualpipe_v"),
-            "tp2pp2_zb_v_zero1": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="zb_v", zero_stage=1),
-            "tp2pp2_dualpipe_v_zero1": lambda: gpt_run(
-                pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="dualpipe_v", zero_stage=1
+            "pp4_dualpipe_v_acc2": lambda: gpt_run(layers=8, accumulate=2, pipeline_parallel=4, pipeline_schedule="dualpipe_v"),
+            "tp2pp2_zb_v_zero1_acc2": lambda: gpt_run(
+                accumulate=2, pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="zb_v", zero_stage=1
+            ),
+            "tp2pp2_dualpipe_v_zero1_acc2": lambda: gpt_run(
+                accumulate=2, pipeline_parallel=2, tensor_parallel=2, pipeline_schedule="dualpipe_v", zero_stage=1
             ),
             "llama_dp2pp2": lambda: llama_run(pipeline_parallel=2, data_parallel=2),
             "llama_tp2pp2": lambda: llama_run(pipeline_parallel=2, tensor_parallel=2),
@@ -632,6 +634,8 @@ def reference_world() -> dict[str, Any]:
         {
             "gpt": lambda: gpt_run(),
             "gpt8": lambda: gpt_run(layers=8),
+            "gpt_acc2": lambda: gpt_run(accumulate=2),
+            "gpt8_acc2": lambda: gpt_run(layers=8, accumulate=2),
             "gpt_2steps": lambda: gpt_run(steps=2),
             "llama": lambda: llama_run(),
             "llama4": lambda: llama_run(layers=4),
@@ -680,11 +684,13 @@ def test_pp2_gpt_matches_one_process(pp2, single, name):
     "name",
     [
         "pp4", "dp2pp2", "tp2pp2", "tp2pp2_sp", "pp4_zb_h1", "tp2pp2_zb_h1_zero1",
-        "pp4_zb_v", "pp4_dualpipe_v", "tp2pp2_zb_v_zero1", "tp2pp2_dualpipe_v_zero1",
+        "pp4_zb_v", "pp4_dualpipe_v_acc2", "tp2pp2_zb_v_zero1_acc2", "tp2pp2_dualpipe_v_zero1_acc2",
     ],
 )
 def test_four_rank_layouts_match_one_process(four, single, name):
-    reference = result_of(single, "gpt8" if name.startswith("pp4_") and name.endswith("_v") else "gpt")["losses"]
+    """(The V schedules: pp4 on an 8-layer GPT, and with gradient accumulation against one process's.)"""
+    eight = name.startswith("pp4_") and "_v" in name
+    reference = result_of(single, ("gpt8" if eight else "gpt") + ("_acc2" if name.endswith("_acc2") else ""))["losses"]
     np.testing.assert_allclose(_mean([result_of(r, name)["losses"] for r in four]), reference, rtol=1e-5)
 
 
