@@ -221,8 +221,8 @@ def compare_zbv_with_torch(steps: int, repeats: int) -> dict[str, Any]:
 def _bubble_cells(cells: list[tuple[str, int, int]], warmup: int, steps: int) -> list[dict[str, Any]]:
     """On every rank of a pp-rank world: each (schedule, v, m) cell in turn, a fresh GPT (same init)
     trained for ``warmup + steps`` steps on batches of m x BUBBLE_MICRO_SIZE samples. Per cell: this
-    rank's mean idle fraction and per-kind compute seconds over the measured steps, and its median
-    step time (schedule + AdamW)."""
+    rank's median idle fraction over the measured steps, its mean seconds per compute of each kind
+    over them, and its median step time (schedule + AdamW)."""
     pp = dist.get_world_size()
     topology = Topology.build(ParallelDims(dp=1, tp=1, pp=pp))
     gpt = BUBBLE_GPT
@@ -252,7 +252,7 @@ def _bubble_cells(cells: list[tuple[str, int, int]], warmup: int, steps: int) ->
                 counts[kind] = counts.get(kind, 0) + s.computes[kind]
         out.append(
             {
-                "idle_fraction": statistics.mean(s.idle_fraction for s in measured),
+                "idle_fraction": statistics.median(s.idle_fraction for s in measured),  # a descheduled step is an outlier
                 "wall_s": statistics.mean(s.wall_s for s in measured),
                 "costs": {k: seconds[k] / counts[k] for k in seconds if counts[k]},
                 "step_s": statistics.median(times[warmup:]),
@@ -274,7 +274,7 @@ def _mean_costs(ranks: list[dict[str, Any]]) -> dict[str, float]:
 
 def summarize_cell(name: str, v: int, pp: int, m: int, repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """One table cell from ``repeats`` runs (each: one dict per rank): idle fraction = mean over ranks
-    (each rank's mean over measured steps), median over repeats; the schedule simulated at each
+    (each rank's median over measured steps), median over repeats; the schedule simulated at each
     repeat's measured per-kind costs (the ranks' mean), median over repeats; step time = the slowest
     rank's median, median over repeats."""
     schedule = build_schedule(name, pp, m, v)
