@@ -258,6 +258,14 @@ def pipeline_bubbles(steps: int, repeats: int) -> dict[str, Any]:
 
 
 @case
+def pipeline_bubbles_pp2_m8(steps: int, repeats: int) -> dict[str, Any]:
+    """The acceptance cell of the bubble table (pp=2, m=8) on a model with 8x the compute per micro-batch."""
+    from pipeline_cases import BAR_GPT, bubbles
+
+    return {**bubbles(steps, repeats, pps=(2,), ms=(8,), gpt=BAR_GPT), "case": "pipeline_bubbles_pp2_m8"}
+
+
+@case
 def offload_step_time(steps: int, repeats: int) -> dict[str, Any]:
     """ZeRO-2 at dp=2: optimizer state on the device vs offloaded to CPU vs streamed from NVMe (a temp dir)."""
     import tempfile

@@ -51,7 +51,9 @@ def test_grid_and_summary(pc) -> None:
     cell = pc.summarize_cell("1f1b", 1, 2, 8, repeats)
     assert cell["measured"] == 0.3  # means over ranks 0.3, 0.1, 0.5: median 0.3
     assert cell["theory"] == round(theoretical_bubble("1f1b", 2, 8), 4)
-    assert cell["sim_at_costs"] == cell["theory"]  # B = 2F is the unit model
+    assert cell["sim_at_costs"] == cell["sim_at_rank_costs"] == cell["theory"]  # B = 2F is the unit model, on each rank
+    slow_head = [[rank(0.2, 1.0, 2.0), rank(0.2, 2.0, 4.0)]]  # the last stage twice as slow: the first waits on it
+    assert pc.summarize_cell("1f1b", 1, 2, 8, slow_head)["sim_at_rank_costs"] > pc.summarize_cell("1f1b", 1, 2, 8, slow_head)["sim_at_costs"]
     assert cell["minus_theory"] == round(0.3 - cell["theory"], 4)
     assert cell["step_s"] == 0.5
     # a rank without a kind does not drag its mean down (zb_h1's first piece runs no I on one rank... or W)

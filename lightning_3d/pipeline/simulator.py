@@ -24,7 +24,7 @@ Two models:
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -78,11 +78,13 @@ def simulate(
     forward_time: float = 1.0,
     backward_time: float = 2.0,
     comm_time: float = 0.0,
-    costs: Optional[Mapping[str, float]] = None,
+    costs: Union[Mapping[str, float], Sequence[Mapping[str, float]], None] = None,
 ) -> Simulation:
-    """``costs``: seconds per compute kind (F, B, I, W) measured on real ranks, overriding the unit
-    model, so a measured bubble can be set against what the schedule itself leaves at those costs."""
+    """``costs``: seconds per compute kind (F, B, I, W) measured on real ranks -- one mapping for all,
+    or one per rank (stages differ: the embedding, the head) -- overriding the unit model, so a
+    measured bubble can be set against what the schedule itself leaves at those costs."""
     p = len(schedule)
+    per_rank = [costs] * p if costs is None or isinstance(costs, Mapping) else list(costs)
     pointer = [0] * p
     clock = [0.0] * p
     busy = [0.0] * p
@@ -106,7 +108,8 @@ def simulate(
                     kind = "ACT" if action.kind == "SEND_ACT" else "GRAD"
                     sent[(kind, action.micro, peer, peer_chunk)] = clock[rank] + comm_time
                 else:
-                    cost = costs[action.kind] if costs and action.kind in costs else compute_time(action.kind, forward_time, backward_time)
+                    mine = per_rank[rank]
+                    cost = mine[action.kind] if mine and action.kind in mine else compute_time(action.kind, forward_time, backward_time)
                     clock[rank] += cost
                     busy[rank] += cost
                     alive[rank] += in_flight_change(action.kind)
