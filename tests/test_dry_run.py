@@ -42,6 +42,17 @@ def test_bloom_176b_every_stage_matches_the_planner():
     assert report.fits
 
 
+@pytest.mark.parametrize("schedule", ["zb_v", "dualpipe_v"])
+def test_bloom_176b_in_a_v_matches_the_planner(schedule):
+    """Two chunks per rank in a V: the head and the tied embedding on rank 0 (no embedding all-reduce),
+    the V's bottom handing over without a send, rank 0's uneven chunks (70 layers in 24 pieces)."""
+    report = _run("bloom_176b", f"parallel.pipeline_schedule={schedule}")
+    _check(report)
+    assert "embedding" not in report.roles[0].measured.traffic
+    pp = {r.role.split()[0]: r.measured.traffic["pp"] for r in report.roles}
+    assert pp["pp0(first)"] == pp["pp11(last)"] == pp["pp6(middle)"] / 2  # two sends per micro-batch at the V's ends, four between
+
+
 def test_mt_nlg_530b_every_stage_matches_the_planner():
     report = _run("mt_nlg_530b")  # tp8 pp35 dp8 on 2,240 ranks, dropout, learned positions
     _check(report)
