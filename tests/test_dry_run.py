@@ -49,8 +49,8 @@ def test_bloom_176b_in_a_v_matches_the_planner(schedule):
     report = _run("bloom_176b", f"parallel.pipeline_schedule={schedule}")
     _check(report)
     assert "embedding" not in report.roles[0].measured.traffic
-    pp = {r.role.split()[0]: r.measured.traffic["pp"] for r in report.roles}
-    assert pp["pp0(first)"] == pp["pp11(last)"] == pp["pp6(middle)"] / 2  # two sends per micro-batch at the V's ends, four between
+    pp = {r.role.coords.pp: r.measured.traffic["pp"] for r in report.roles}
+    assert pp[0] == pp[11] == pp[6] / 2  # two sends per micro-batch at the V's ends, four between
 
 
 def test_mt_nlg_530b_every_stage_matches_the_planner():
