@@ -50,7 +50,7 @@ def test_bloom_176b_in_a_v_matches_the_planner(schedule):
     _check(report)
     assert "embedding" not in report.roles[0].measured.traffic
     pp = {r.role.coords.pp: r.measured.traffic["pp"] for r in report.roles}
-    assert pp[0] == pp[11] == pp[6] / 2  # two sends per micro-batch at the V's ends, four between
+    assert pp[0] == pytest.approx(pp[11]) == pytest.approx(pp[6] / 2)  # two sends per micro-batch at the V's ends, four between
 
 
 def test_mt_nlg_530b_every_stage_matches_the_planner():
