@@ -1,6 +1,7 @@
 """Regression tests for silent-wrongness findings of the review of the pipeline receive-buffer reuse
-and the sequence-parallel shard-keeping column layers. Each is marked ``xfail(strict=True)`` until
-fixed: a fix turns it into an XPASS failure, the cue to drop the marker."""
+and the sequence-parallel shard-keeping column layers (both fixed: a parameter gradient that is the
+received buffer holds it back from reuse; a gathered input modified in place since the gather falls
+back to keeping the full input)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,6 @@ def _alias_world() -> list[dict[str, np.ndarray]]:
     return _alias_steps(model)
 
 
-@pytest.mark.xfail(strict=True, reason="review finding: a W's param.grad may be the received gradient buffer, which give_back reuses")
 def test_zero_bubble_param_grad_that_is_the_received_gradient_survives_buffer_reuse():
     reference = _alias_steps(_alias_model())
     ranks = run_on_ranks(_alias_world, 2, timeout=120)
@@ -88,7 +88,6 @@ def _sp_inplace_world() -> dict[str, float]:
     return {"w_grad": float((grads[0] - grads[1]).abs().max())}
 
 
-@pytest.mark.xfail(strict=True, reason="review finding: the prepared column layer keeps the pre-in-place shard")
 def test_sequence_parallel_prepared_input_modified_in_place_gives_the_right_weight_gradient():
     for rank in run_on_ranks(_sp_inplace_world, 2, timeout=120):
         assert rank["w_grad"] <= 1e-5, rank

@@ -17,6 +17,7 @@ before the first message (docs/pipeline.md, "NCCL semantics"); no tags.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Union
@@ -286,10 +287,11 @@ class PipelineRuntime:
                 dist.all_reduce(g, group=group)
                 grads[id(p)] = g
         # scaled in place (the stash's tensors are this call's own), without reading the factor on the host
+        # once per tensor: torch's weight-gradient half can hand two parameters one gradient tensor
+        unique = {(g.data_ptr(), g.dtype, tuple(g.shape), g.stride()): g for g in grads.values() if g is not None}
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads.values():
-            if g is not None:
-                by_dtype.setdefault(g.dtype, []).append(g)
+        for g in unique.values():
+            by_dtype.setdefault(g.dtype, []).append(g)
         for dtype, tensors in by_dtype.items():
             torch._foreach_mul_(tensors, factor.to(dtype))
         out = [grads.get(id(p)) for p in self.params]
@@ -385,7 +387,9 @@ class PipelineRuntime:
             elif step.kind == "W":
                 t0 = time.perf_counter()
                 self._weight_gradient(held.pop((step.micro, step.chunk)), parameters)
-                wire.give_back((step.micro, step.chunk))  # (W may read intermediate gradients aliasing the received one)
+                # (W may read intermediate gradients aliasing the received one, and torch's W may keep it as a
+                # parameter's .grad: a weight added to the activation)
+                wire.give_back((step.micro, step.chunk), parameters)
                 stats.count(step.kind, time.perf_counter() - t0)
             else:
                 wire.hand_over(step)
@@ -478,7 +482,7 @@ def _weighted(loss: Tensor, weight: Union[float, Tensor]) -> Tensor:
     does to the batch mean."""
     if isinstance(weight, float) and weight == 0:
         return loss.nan_to_num(0.0) * 0.0
-    return loss * (weight.to(loss.dtype) if isinstance(weight, Tensor) else weight)
+    return loss * weight  # (a device weight is a 0-dim fp32 tensor: a bf16 loss is promoted, not the weight rounded)
 
 
 def _has_targets(batch: Inputs) -> bool:
@@ -611,11 +615,14 @@ class _Wire:
         self.lent.setdefault(owner, []).append(t)
         return t
 
-    def give_back(self, owner: tuple[int, int]) -> None:
+    def give_back(self, owner: tuple[int, int], parameters: Iterable[Tensor] = ()) -> None:
         """The micro-batch's piece finished its backward: its receive buffers are spares again, unless
-        one shares memory with a tensor still to be sent (a gradient autograd handed through)."""
+        one shares memory with a tensor still to be sent (a gradient autograd handed through) or, after
+        a weight-gradient half W (``parameters``: those it finished), with a parameter's ``.grad``
+        (torch's W assigns a weight's gradient as is, which is the received one for ``x + w``)."""
         sending = {t.untyped_storage().data_ptr() for t in self.outgoing.values()}
         sending |= {t.untyped_storage().data_ptr() for _, tensors in self.works.values() for t in tensors}
+        sending |= {q.grad.untyped_storage().data_ptr() for q in parameters if q.grad is not None}
         for t in self.lent.pop(owner, ()):
             if t.untyped_storage().data_ptr() not in sending:
                 self.runtime._spare.setdefault((tuple(t.shape), t.dtype), []).append(t)

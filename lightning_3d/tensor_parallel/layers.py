@@ -191,7 +191,7 @@ def column_parallel_linear(
         return F.linear(x, weight, bias)
     if input_is_prepared:
         source = getattr(x, SEQUENCE_SHARD_ATTR, None) if sequence_parallel else None
-        if source is not None and torch.is_grad_enabled():
+        if source is not None and torch.is_grad_enabled() and source.matches(x):
             return _PreparedGatherLinear.apply(x, weight, bias, source)
         return F.linear(x, weight, bias)
     if sequence_parallel:

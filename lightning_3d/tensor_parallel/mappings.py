@@ -207,12 +207,18 @@ class SequenceShard:
     gathered tensor (forward only); ``regather`` is referenced by the layers' autograd nodes and
     holds a tensor only between the first and the last of their backward passes."""
 
-    __slots__ = ("shard", "dim", "group", "casts", "regather")
+    __slots__ = ("shard", "dim", "group", "casts", "regather", "versions")
 
-    def __init__(self, shard: Tensor, dim: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, shard: Tensor, dim: int, group: dist.ProcessGroup, gathered: Tensor) -> None:
         self.shard, self.dim, self.group = shard, dim, group
         self.casts: dict[torch.dtype, Tensor] = {}
         self.regather = SharedRegather()
+        self.versions = (shard._version, gathered._version)
+
+    def matches(self, gathered: Tensor) -> bool:
+        """Neither the shard nor the gathered tensor was modified in place since the gather (an in-place
+        dropout or ``mul_`` in between): only then is the shard what the layer's input came from."""
+        return self.versions == (self.shard._version, gathered._version)
 
     def shard_as(self, dtype: torch.dtype) -> Tensor:
         """The shard (detached) in ``dtype``: one cast per dtype, shared by the layers."""
@@ -271,7 +277,7 @@ def gather_for_column_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = S
     if _world(group) == 1:
         return x
     gathered = _Gather.apply(x, dim, group, True)
-    setattr(gathered, SEQUENCE_SHARD_ATTR, SequenceShard(x, dim, group))
+    setattr(gathered, SEQUENCE_SHARD_ATTR, SequenceShard(x, dim, group, gathered))
     return gathered
 
 
