@@ -346,7 +346,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self.model, self._zero, self._pipelines = done.module, done.zero, done.pipelines
         self._point_metrics_at_dp_group()
         if fitting:
-            self.setup_optimizers(trainer)
+            self._setup_optimizers_on_this_stage(trainer)
             self.optimizers = self._zero.wrap_optimizers(self.model, self.optimizers)
             if self._pending_master:
                 self._zero.load_dense_master_weights(self._pending_master)
@@ -354,6 +354,21 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self._optimizer_state_device())
+
+    def _setup_optimizers_on_this_stage(self, trainer: Trainer) -> None:
+        """``configure_optimizers`` sees only this pipeline stage's parameters; a stage may hold none of
+        a group (a middle stage: no embedding, no head), which torch refuses as an empty list."""
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as err:
+            if "empty parameter list" not in str(err) or self.config.pipeline_parallel == 1:
+                raise
+            raise ValueError(
+                f"{err} on pipeline rank {self.topology.pp_rank} of {self.config.pipeline_parallel}: configure_optimizers "
+                f"runs after the model is cut into stages, and this stage holds no parameter of one of its optimizers "
+                f"or groups (the embedding and head live on the first and last stage; under a V both on rank 0). Pass "
+                f"parameters as groups, e.g. torch.optim.SGD([{{'params': [...]}}], ...), which torch accepts empty."
+            ) from err
 
     def memory_report(self) -> dict[str, Any]:
         """Per-rank bytes of parameters, gradients, master weights and optimizer state, with the

@@ -826,3 +826,19 @@ def test_a_stage_whose_input_gets_no_gradient_sends_zeros():
 def test_an_activation_dtype_that_changes_for_the_same_inputs_is_refused():
     with pytest.raises(RankError, match="an earlier one with the same input shapes was"):
         run_on_ranks(_edge_world, 2, "shifts", timeout=60)
+
+
+def test_an_optimizer_with_nothing_on_a_stage_is_explained():
+    """configure_optimizers runs on the cut model: a middle stage (or a V's) may hold no parameter of a
+    group, which torch refuses as an empty list; the strategy says why and what to write instead."""
+    from types import SimpleNamespace
+
+    def refuse(trainer: Any) -> None:
+        torch.optim.SGD([], lr=0.1)
+
+    stage = SimpleNamespace(
+        setup_optimizers=refuse, config=SimpleNamespace(pipeline_parallel=2), topology=SimpleNamespace(pp_rank=1)
+    )
+    with pytest.raises(ValueError, match=r"pipeline rank 1 of 2: .* Pass parameters as groups"):
+        ThreeDParallelStrategy._setup_optimizers_on_this_stage(stage, None)  # type: ignore[arg-type]
+    torch.optim.SGD([{"params": []}], lr=0.1)  # what it suggests: accepted
