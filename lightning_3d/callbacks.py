@@ -21,6 +21,8 @@ from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary
 
+from lightning_3d.saved_tensors import SavedBytes
+
 
 def peak_memory_mb(device: torch.device) -> float:
     """Peak GPU memory allocated by this process, or its peak resident set size on CPU."""
@@ -197,64 +199,7 @@ class TokenThroughput(L.Callback):
         return tflops * 1e12 / self.peak_flops
 
 
-class SavedTensorTracker:
-    """Peak bytes of the tensors autograd keeps for backward, counted once per storage, weights
-    excluded: the activation memory the planner predicts, measured the same way on any device.
-
-    Use as the pair of ``torch.autograd.graph.saved_tensors_hooks``; a saved tensor stops counting
-    when autograd frees it (after its backward), so the peak covers in-flight micro-batches."""
-
-    def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self._exclude = {_storage_key(t) for t in exclude}
-        self._live: dict[int, list[int]] = {}
-        self.current = 0
-        self.peak = 0
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        key = _storage_key(tensor)
-        if key is None or key in self._exclude:
-            return tensor
-        entry = self._live.get(key)
-        if entry is None:
-            nbytes = tensor.untyped_storage().nbytes()
-            self._live[key] = [1, nbytes]
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        else:
-            entry[0] += 1
-        return _Held(tensor, key, self)
-
-    @staticmethod
-    def unpack(held: Any) -> torch.Tensor:
-        return held.tensor if isinstance(held, _Held) else held
-
-    def release(self, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self._live[key]
-
-
-class _Held:
-    __slots__ = ("tensor", "key", "tracker")
-
-    def __init__(self, tensor: torch.Tensor, key: int, tracker: SavedTensorTracker) -> None:
-        self.tensor, self.key, self.tracker = tensor, key, tracker
-
-    def __del__(self) -> None:
-        self.tracker.release(self.key)
-
-
-def _storage_key(tensor: torch.Tensor) -> Optional[int]:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    try:
-        storage = local.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, some subclasses)
-        return None
-    return storage.data_ptr() if storage.nbytes() else None
+SavedTensorTracker = SavedBytes  # peak bytes autograd keeps for backward, weights excluded (lightning_3d.saved_tensors)
 
 
 class MemoryProbe(L.Callback):

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from lightning_3d.dry_run.counting import SavedBytes, Traffic, count, storage_bytes
+from lightning_3d.dry_run.counting import Traffic, count
+from lightning_3d.saved_tensors import SavedBytes, storage_bytes
 from lightning_3d.parallelize import parallelize
 from lightning_3d.pipeline.runtime import PipelineRuntime, _DeferredGradients, _Stash
 from lightning_3d.pipeline.schedules import V_SHAPED, build_schedule, peer_of, piece_of
