@@ -112,6 +112,32 @@ def test_v_schedules_beat_zb_h1s_bubble_at_1f1bs_memory(name, p, m):
     assert max(sim.max_in_flight) <= 2 * min(p, m) + extra
 
 
+@pytest.mark.parametrize("name", ["zb_v", "dualpipe_v"])
+def test_v_orders_are_torchs(name):
+    """Our ZB-V and DualPipeV orders, written from the papers' phases, are the very orders torch 2.13's
+    ScheduleZBVZeroBubble and ScheduleDualPipeV compute (an overlapped F+B pair flattened to its F then
+    its B) on every rank, p 2-6, every m up to 24 (ZB-V below 2p-1 too, where torch leaves out the
+    missing micro-batches as we do)."""
+    from types import SimpleNamespace
+
+    from lightning_3d.pipeline.schedules import _compute_order
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
+    cls = ScheduleZBVZeroBubble if name == "zb_v" else ScheduleDualPipeV
+
+    def torchs(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+        state = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+        actions = [a for a in cls._calculate_single_rank_operations(state, rank) if a is not None]
+        flat = [b for a in actions for b in (a.sub_actions or (a,))]
+        return [(kinds[b.computation_type.name], b.microbatch_index, 0 if b.stage_index == rank else 1) for b in flat]
+
+    cases = [(p, m) for p in range(2, 7) for m in range(1, 25) if name == "zb_v" or m >= 2 * p]
+    for p, m in cases:
+        for rank in range(p):
+            assert _compute_order(name, p, m, 2, rank) == torchs(p, m, rank), (p, m, rank)
+
+
 def test_v_placement_puts_the_first_and_last_piece_on_rank_zero():
     from lightning_3d.pipeline.schedules import piece_of, place
 
