@@ -298,7 +298,7 @@ def measure_rank(
             stash = _Stash(runtime, {id(q): q.grad for q in runtime.params})
             for q in runtime.params:
                 q.grad = None
-            released = _DeferredGradients.apply(torch.zeros(()), stash, *runtime.params)
+            released = _DeferredGradients.apply(torch.zeros((), device=META), stash, *runtime.params)
             released.backward()
         zero.after_backward()
         before_step = memory_report(module, optimizers, zero, topology)
@@ -405,7 +405,7 @@ def _p2p_traffic(
     if p == 1:
         return out
     group = topology.pp_group
-    boundary = math.prod(_boundary_shape(batch, dims, config)) * torch.empty((), dtype=dtype).element_size()
+    boundary = math.prod(_boundary_shape(batch, dims, config)) * dtype.itemsize
     rank = topology.pp_rank
     for a in build_schedule(schedule, p, m, v)[rank]:
         if a.kind in ("SEND_ACT", "SEND_GRAD") and peer_of(a, p, rank)[0] != rank:  # (the V's bottom: handed over)

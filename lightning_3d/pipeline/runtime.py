@@ -620,10 +620,13 @@ class _Wire:
         one shares memory with a tensor still to be sent (a gradient autograd handed through) or, after
         a weight-gradient half W (``parameters``: those it finished), with a parameter's ``.grad``
         (torch's W assigns a weight's gradient as is, which is the received one for ``x + w``)."""
+        lent = self.lent.pop(owner, ())
+        if not lent:  # (nothing received for it: the first piece, evaluation) -- no scan on the hot path
+            return
         sending = {t.untyped_storage().data_ptr() for t in self.outgoing.values()}
         sending |= {t.untyped_storage().data_ptr() for _, tensors in self.works.values() for t in tensors}
         sending |= {q.grad.untyped_storage().data_ptr() for q in parameters if q.grad is not None}
-        for t in self.lent.pop(owner, ()):
+        for t in lent:
             if t.untyped_storage().data_ptr() not in sending:
                 self.runtime._spare.setdefault((tuple(t.shape), t.dtype), []).append(t)
 

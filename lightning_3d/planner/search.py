@@ -311,12 +311,12 @@ def stage_layers(n_layer: int, pp: int, v: int, head_weight: float, v_shape: boo
     """
     if pp == 1:
         return [n_layer], []
+    if v_shape:
+        return [a + b for a, b in v_chunk_layers(n_layer, pp)], []
     if v > 1:
         pieces = pp * v
         base, extra = divmod(n_layer, pieces)
         sizes = [base + (1 if i < extra else 0) for i in range(pieces)]
-        if v_shape:
-            return [sizes[i] + sizes[pieces - 1 - i] for i in range(pp)], []
         per_stage = [sum(sizes[i::pp]) for i in range(pp)]
         return per_stage, []
     best: Optional[tuple[float, list[int]]] = None
