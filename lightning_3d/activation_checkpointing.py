@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from contextlib import ExitStack
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_3d.pipeline.weight_gradients import checkpoint_contexts
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 
 MODES = ("full", "selective")
@@ -51,17 +53,40 @@ def checkpoint_forward(module: nn.Module, tracker: Optional[RNGStatesTracker] = 
     if getattr(module, "_activation_checkpointed", False):
         return
     original = module.forward
-    context_fn = tracker.checkpoint_context if tracker is not None else None
+
+    def context_fn() -> tuple[Any, Any]:
+        # the recompute sees the tensor-parallel RNG tracker, and a zero-bubble step's deferred linears, as forward did
+        forward, recompute = checkpoint_contexts()
+        if tracker is None:
+            return forward, recompute
+        tracked_forward, tracked_recompute = tracker.checkpoint_context()
+        return _Together(tracked_forward, forward), _Together(tracked_recompute, recompute)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        extra = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
     module._activation_checkpointed = True  # type: ignore[attr-defined]
+
+
+class _Together:
+    """Several context managers entered as one, re-enterable (a recompute may run more than once)."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts = contexts
+        self._stacks: list[ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = ExitStack()
+        for context in self.contexts:
+            stack.enter_context(context)
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._stacks.pop().__exit__(*exc)
 
 
 def checkpoint_blocks(

@@ -17,7 +17,6 @@ before the first message (docs/pipeline.md, "NCCL semantics"); no tags.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Union
@@ -25,7 +24,6 @@ from typing import Any, Callable, ContextManager, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_3d.collectives import current_compute_device
 from lightning_3d.loss_normalization import data_parallel_factor
@@ -44,6 +42,7 @@ from lightning_3d.pipeline.schedules import (
     place,
 )
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
+from lightning_3d.pipeline.weight_gradients import DeferredWeightGradients
 from lightning_3d.tensor_parallel.plans import shared_parameters
 from lightning_3d.tensor_parallel.random import PIPELINE_STAGE_RNG, RNGStatesTracker
 from lightning_3d.topology import Topology
@@ -154,6 +153,7 @@ class PipelineRuntime:
         self._described: dict[tuple[tuple, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._group_ready = False
         self._spare: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}  # receive buffers free for reuse
+        self.deferred = DeferredWeightGradients()  # the zero-bubble schedules' weight-gradient halves
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -287,7 +287,7 @@ class PipelineRuntime:
                 dist.all_reduce(g, group=group)
                 grads[id(p)] = g
         # scaled in place (the stash's tensors are this call's own), without reading the factor on the host
-        # once per tensor: torch's weight-gradient half can hand two parameters one gradient tensor
+        # once per tensor, should two parameters ever hold one gradient tensor
         unique = {(g.data_ptr(), g.dtype, tuple(g.shape), g.stride()): g for g in grads.values() if g is not None}
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for g in unique.values():
@@ -336,12 +336,42 @@ class PipelineRuntime:
         wire = _Wire(self, [_signature(mb, train) for mb in micro], stats if train else None)
         start = time.perf_counter()
         stored: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
-        held: dict[tuple[int, int], list[dict[str, Any]]] = {}  # I ran, W not yet: autograd's saved state
+        held: dict[tuple[int, int], list[Callable[[], None]]] = {}  # I ran, W not yet: the weight gradients it set aside
         losses: list[Tensor] = []
         heads: list[HeadOutput] = []
         scale = self.loss_scale() if train else 1.0
-        parameters = self._held_parameters() if train else []  # what zero-bubble W halves finish, read once a step
-        for step in self._plan(m, train):
+        plan = self._plan(m, train)
+        split = any(isinstance(s, Action) and s.kind == "I" for s in plan)
+        with self.deferred.intercepting() if split else nullcontext():
+            self._steps(plan, micro, weights, wire, stats, stored, held, losses, heads, scale, train)
+        assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
+        assert not held, "the schedule left weight gradients behind"
+        wire.keep_spares()
+        stats.wall_s = time.perf_counter() - start
+        self.last_step = stats
+        self.history.append(stats)
+        if not self.owns_last:
+            return None
+        if losses:
+            return torch.stack(losses).sum()
+        return torch.cat([h.logits for h in heads], dim=0) if heads and heads[0].logits is not None else None
+
+    def _steps(
+        self,
+        plan: list[Step],
+        micro: list[Inputs],
+        weights: list[Union[float, Tensor]],
+        wire: "_Wire",
+        stats: StepStats,
+        stored: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]],
+        held: dict[tuple[int, int], list[Callable[[], None]]],
+        losses: list[Tensor],
+        heads: list[HeadOutput],
+        scale: float,
+        train: bool,
+    ) -> None:
+        """Run this rank's plan: posts, waits, computes, local hand-overs."""
+        for step in plan:
             if isinstance(step, Post):
                 wire.post(step, stored)
             elif isinstance(step, Wait):
@@ -375,9 +405,11 @@ class PipelineRuntime:
                 target = out * scale if grad is None else out
                 if step.kind == "B":
                     torch.autograd.backward(target, grad)
-                    x_grad = x.grad if x is not None else None
-                else:  # the input gradient now (the previous stage waits for it), the weights' at its W
-                    x_grad, held[key] = self._input_gradient(piece, target, grad, x, parameters)
+                else:  # the input gradient now (the previous stage waits for it), the linears' weights' at its W
+                    with self.deferred.collect([]) as works:
+                        torch.autograd.backward(target, grad)
+                    held[key] = works
+                x_grad = x.grad if x is not None else None
                 if x is not None:  # a piece that did not use its input still owes its peer a gradient
                     wire.outgoing[("SEND_GRAD", *key)] = x_grad if x_grad is not None else torch.zeros_like(x)
                 del x, out, grad, target
@@ -386,59 +418,11 @@ class PipelineRuntime:
                 stats.count(step.kind, time.perf_counter() - t0)
             elif step.kind == "W":
                 t0 = time.perf_counter()
-                self._weight_gradient(held.pop((step.micro, step.chunk)), parameters)
-                # (W may read intermediate gradients aliasing the received one, and torch's W may keep it as a
-                # parameter's .grad: a weight added to the activation)
-                wire.give_back((step.micro, step.chunk), parameters)
+                self.deferred.run(held.pop((step.micro, step.chunk)))
+                wire.give_back((step.micro, step.chunk))  # (W read the received gradient: buffers go back after it)
                 stats.count(step.kind, time.perf_counter() - t0)
             else:
                 wire.hand_over(step)
-        assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
-        assert not held, "the schedule left weight gradients behind"
-        wire.keep_spares()
-        stats.wall_s = time.perf_counter() - start
-        self.last_step = stats
-        self.history.append(stats)
-        if not self.owns_last:
-            return None
-        if losses:
-            return torch.stack(losses).sum()
-        return torch.cat([h.logits for h in heads], dim=0) if heads and heads[0].logits is not None else None
-
-    def _held_parameters(self) -> list[Tensor]:
-        """Every parameter this rank holds, read each step (one frozen at set-up may train later):
-        what the weight-gradient half W computes gradients for. Those outside a piece's graph, or
-        frozen, are skipped by torch; a model-level parameter a block uses is not missed."""
-        return list({id(p): p for p in self.model.parameters()}.values())
-
-    def _input_gradient(
-        self, piece: int, target: Tensor, grad: Optional[Tensor], x: Optional[Tensor], parameters: list[Tensor]
-    ) -> tuple[Optional[Tensor], Any]:
-        """I: the gradient of the piece's input alone (torch.distributed.pipelining's
-        ``stage_backward_input``, which also keeps, per group of weights, the gradients reaching the
-        nodes that need them), and what W needs to finish the weights' gradients later. A piece
-        without an input (the first) has nothing to send: its whole backward waits for W.
-
-        The input gradient is copied before it is sent: W writes weight gradients with ``+=`` into
-        the tensors autograd returned, which may be this very one (a weight added to the input)."""
-        if x is None:
-            return None, (target, grad)
-        if target._is_view():  # stage_backward_input detaches its outputs in place, which a view refuses
-            target = target.clone()
-        grads, groups = stage_backward_input([target], None if grad is None else [grad], [x], iter(parameters))
-        if grads[0] is None:
-            raise RuntimeError(
-                f"pipeline piece {piece}'s output does not depend on its input, so its weights' gradients cannot be "
-                f"split from the input's (zero-bubble schedules); use pipeline_schedule='1f1b'."
-            )
-        return grads[0].clone(), groups
-
-    def _weight_gradient(self, held: Any, parameters: list[Tensor]) -> None:
-        """W: the weights' gradients from what I kept (accumulated into ``.grad``)."""
-        if isinstance(held, tuple):
-            torch.autograd.backward(held[0], held[1])
-        else:
-            stage_backward_weight(iter(parameters), held)
 
     # -- point to point ----------------------------------------------------------------------------
     def _peer(self, action: Action) -> int:
@@ -615,17 +599,15 @@ class _Wire:
         self.lent.setdefault(owner, []).append(t)
         return t
 
-    def give_back(self, owner: tuple[int, int], parameters: Iterable[Tensor] = ()) -> None:
-        """The micro-batch's piece finished its backward: its receive buffers are spares again, unless
-        one shares memory with a tensor still to be sent (a gradient autograd handed through) or, after
-        a weight-gradient half W (``parameters``: those it finished), with a parameter's ``.grad``
-        (torch's W assigns a weight's gradient as is, which is the received one for ``x + w``)."""
+    def give_back(self, owner: tuple[int, int]) -> None:
+        """The micro-batch's piece finished its backward (B, or W after I: a deferred weight gradient
+        reads the received gradient): its receive buffers are spares again, unless one shares memory
+        with a tensor still to be sent (a gradient autograd handed through unchanged)."""
         lent = self.lent.pop(owner, ())
         if not lent:  # (nothing received for it: the first piece, evaluation) -- no scan on the hot path
             return
         sending = {t.untyped_storage().data_ptr() for t in self.outgoing.values()}
         sending |= {t.untyped_storage().data_ptr() for _, tensors in self.works.values() for t in tensors}
-        sending |= {q.grad.untyped_storage().data_ptr() for q in parameters if q.grad is not None}
         for t in lent:
             if t.untyped_storage().data_ptr() not in sending:
                 self.runtime._spare.setdefault((tuple(t.shape), t.dtype), []).append(t)
