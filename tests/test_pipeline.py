@@ -868,3 +868,69 @@ def test_an_optimizer_with_nothing_on_a_stage_is_explained():
     with pytest.raises(ValueError, match=r"pipeline rank 1 of 2: .* Pass parameters as groups"):
         ThreeDParallelStrategy._setup_optimizers_on_this_stage(stage, None)  # type: ignore[arg-type]
     torch.optim.SGD([{"params": []}], lr=0.1)  # what it suggests: accepted
+
+
+# -- zb_h1 at measured costs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 13])
+@pytest.mark.parametrize("skew", [(1.0, 1.3, 0.7), (1.0, 0.0, 2.0), (2.0, 1.0, 1.0)])
+def test_zb_h1_at_measured_costs_is_never_slower_there_and_keeps_the_gradient_order(p, m, skew):
+    """The cost-aware order: at the costs it was planned for it finishes no later than the unit-time
+    order; it still splits every backward, holds at most p micro-batches, passes the NCCL-semantics
+    check (build_plan runs it), and runs each rank's I's and W's in micro-batch order (gradients summed
+    in the same order: the same bits under any costs)."""
+    costs = tuple(tuple(c * (1 + 0.25 * r) for c in skew) for r in range(p))  # later stages slower
+    timed = [dict(zip("FIW", c)) for c in costs]
+    unit, measured = build_schedule("zb_h1", p, m), build_schedule("zb_h1", p, m, costs=costs)
+    assert simulate(measured, costs=timed).makespan <= simulate(unit, costs=timed).makespan + 1e-9
+    assert max(simulate(measured).max_in_flight) <= p
+    build_plan("zb_h1", p, m, costs=costs)
+    for actions in measured:
+        for kind in ("F", "I", "W"):
+            assert [a.micro for a in actions if a.kind == kind] == list(range(m))
+
+
+def replan_world(replan_after: int, forced: Any) -> dict[str, Any]:
+    """pp2 GPT under zb_h1 for 5 steps: losses and gradients, the agreed costs, the orders run."""
+    from lightning_3d.models.adapters.gpt import gpt_sequence
+    from lightning_3d.topology import ParallelDims, Topology
+
+    topology = Topology.build(ParallelDims(dp=1, tp=1, pp=2))
+    module = tiny_gpt(**GPT4)
+    module.configure_model()
+    model = module.model
+    runtime = pipeline_model(model, gpt_sequence(model), topology, PipelineConfig(schedule="zb_h1", micro_batches=4, replan_after=replan_after))
+    if forced is not None:
+        runtime.costs = tuple(tuple(r) for r in forced)
+    g = torch.Generator().manual_seed(5)
+    out: dict[str, Any] = {"losses": [], "grads": [], "orders": []}
+    for _ in range(5):
+        x = torch.randint(0, TINY_GPT["vocab_size"], (8, TINY_GPT["block_size"]), generator=g)
+        loss = model(x, x)
+        loss.backward()
+        out["losses"].append(float(loss))
+        out["grads"].append({n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None})
+        out["orders"].append([repr(s) for s in runtime._plan(4, True) if getattr(s, "kind", "") in ("F", "I", "W")])
+        model.zero_grad(set_to_none=True)
+    out["costs"] = runtime.costs
+    return out
+
+
+def test_zb_h1_replans_at_agreed_costs_with_the_same_bits():
+    """After ``replan_after`` calls the ranks agree on one cost table (max over ranks of each stage's
+    mean F, I, W) and replan; a different order (forced costs with a slow W on the last stage) gives
+    bit-identical losses and gradients to the unit-time order."""
+    unit = run_on_ranks(replan_world, 2, 0, None, timeout=300)
+    replanned = run_on_ranks(replan_world, 2, 2, None, timeout=300)
+    forced = run_on_ranks(replan_world, 2, 0, ((1.0, 0.1, 0.1), (1.0, 0.1, 5.0)), timeout=300)
+    assert unit[0]["costs"] is None
+    assert replanned[0]["costs"] is not None and replanned[0]["costs"] == replanned[1]["costs"]
+    assert all(c > 0 for row in replanned[0]["costs"] for c in row)
+    assert any(forced[r]["orders"][0] != unit[r]["orders"][0] for r in range(2))  # the forced costs change the order
+    for run in (replanned, forced):
+        for r in range(2):
+            assert run[r]["losses"] == unit[r]["losses"]
+            for a, b in zip(run[r]["grads"], unit[r]["grads"]):
+                assert a.keys() == b.keys()
+                for n in a:
+                    np.testing.assert_array_equal(a[n], b[n], err_msg=n)

@@ -31,6 +31,7 @@ from lightning_3d.pipeline.partition import Method, describe, partition
 from lightning_3d.pipeline.schedules import (
     V_SHAPED,
     Action,
+    Costs,
     Post,
     Step,
     Wait,
@@ -88,6 +89,9 @@ class PipelineConfig:
     virtual_stages: int = 1
     micro_batches: Optional[int] = None
     partition: Method = "uniform"
+    # zb_h1: before this training call (the first is not measured: it allocates), every rank agrees on
+    # each stage's measured F, I and W seconds and the order is planned again at those costs; 0: never
+    replan_after: int = 3
 
 
 def default_micro_batches(batch: int, p: int, schedule: str) -> int:
@@ -154,6 +158,8 @@ class PipelineRuntime:
         self._group_ready = False
         self._spare: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}  # receive buffers free for reuse
         self.deferred = DeferredWeightGradients()  # the zero-bubble schedules' weight-gradient halves
+        self.costs: Optional[Costs] = None  # zb_h1: each stage's agreed F, I, W seconds, once measured
+        self._train_calls = 0
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -239,8 +245,28 @@ class PipelineRuntime:
         """This rank's communication plan (built and checked once per micro-batch count)."""
         key = (m, train)
         if key not in self._plans:
-            self._plans[key] = build_plan(self.config.schedule, self.p, m, self.config.virtual_stages, forward_only=not train)[self.rank]
+            costs = self.costs if train else None
+            self._plans[key] = build_plan(self.config.schedule, self.p, m, self.config.virtual_stages, not train, costs)[self.rank]
         return self._plans[key]
+
+    def _agree_on_costs(self) -> None:
+        """zb_h1 at measured costs (the paper's automatic scheduling): every rank puts its stage's mean
+        seconds of F, I and W (training steps after the first) in its row, one all-reduce (max) over the
+        whole world gives every rank the same table -- tensor-parallel peers must run one order, and one
+        plan everywhere keeps it simple -- and the plans are built again at those costs. Once per run,
+        one host read. The sums into each gradient keep their order (see ``_zb_h1_orders``)."""
+        measured = [s for s in self.history[1:] if s.computes.get("W")]
+        row = []
+        for kind in "FIW":
+            count = sum(s.computes.get(kind, 0) for s in measured)
+            row.append(sum(s.compute_s.get(kind, 0.0) for s in measured) / count if count else 0.0)
+        table = torch.zeros(self.p, 3, device=self._device())
+        table[self.rank] = torch.tensor(row, device=self._device())
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        costs = tuple(tuple(float(c) for c in r) for r in table.tolist())
+        if all(c > 0 for r in costs for c in r):  # (every rank decides alike: they all hold this table)
+            self.costs = costs
+            self._plans.clear()
 
     def _weights(self, micro: list[Inputs], train: bool) -> list[Union[float, Tensor]]:
         """Each micro-batch's share of the batch loss: its count of (unmasked) targets over the batch's.
@@ -254,6 +280,9 @@ class PipelineRuntime:
         return [scale * (c / total) if total and c else 0.0 for c in counts]
 
     def _train(self, micro: list[Inputs]) -> Any:
+        if self.config.schedule == "zb_h1" and self._train_calls == self.config.replan_after > 0:
+            self._agree_on_costs()
+        self._train_calls += 1
         saved = {id(p): p.grad for p in self.params}
         for p in self.params:
             p.grad = None

@@ -59,10 +59,14 @@ class Action:
         return f"{self.kind}{self.micro}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-def _compute_order(name: str, p: int, m: int, v: int, rank: int, extra_warmup: int = 0) -> list[tuple[str, int, int]]:
+# Measured seconds of one F, I and W on each pipeline rank (index = rank), agreed by every rank.
+Costs = tuple[tuple[float, float, float], ...]
+
+
+def _compute_order(name: str, p: int, m: int, v: int, rank: int, extra_warmup: int = 0, costs: Optional[Costs] = None) -> list[tuple[str, int, int]]:
     """(F|B|I|W, micro, chunk) in execution order for one rank."""
     if name == "zb_h1":
-        return list(_zb_h1_orders(p, m)[rank])
+        return list(_zb_h1_orders(p, m, costs)[rank])
     if name == "zb_v":
         return _zb_v_order(p, m, rank)
     if name == "dualpipe_v":  # a (ragged) batch of fewer than 2p micro-batches runs ZB-V's order: same V
@@ -92,33 +96,48 @@ def _compute_order(name: str, p: int, m: int, v: int, rank: int, extra_warmup: i
 
 
 @functools.lru_cache(maxsize=256)
-def _zb_h1_orders(p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+def _zb_h1_orders(p: int, m: int, costs: Optional[Costs] = None) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism": the schedule with 1F1B's peak
-    memory), built by list scheduling rather than by hand: every rank, at every unit of time (F = I =
-    W = one unit), runs an input-gradient half I if its gradient has arrived (the previous stage
-    waits for it), else a forward if its activation has arrived and fewer than ``limit`` micro-batches
-    are in flight (F to W), else a held-back weight-gradient half W. ``limit`` is at most ``p``, the
-    most 1F1B keeps on any stage (its first); each rank's limit is ``min(p, p - rank + k)``, with the
-    ``k`` whose schedule finishes first (ties: the smaller k, less memory). Early stages fill their
-    cool-down waits with W's, later stages hold more micro-batches than under 1F1B but never more than
-    its first stage does."""
-    best: Optional[tuple[int, list[list[tuple[str, int, int]]]]] = None
-    for k in range(p + 1):  # in increasing k: a tie keeps the smaller
-        makespan, orders = _list_schedule(p, m, [min(p, p - r + k) for r in range(p)])
-        if best is None or makespan < best[0]:
-            best = (makespan, orders)
-    assert best is not None
-    return tuple(tuple(o) for o in best[1])
+    memory), built by list scheduling rather than by hand: every rank, whenever it is free, runs an
+    input-gradient half I if its gradient has arrived (the previous stage waits for it), else a
+    forward if its activation has arrived and fewer than ``limit`` micro-batches are in flight (F to
+    W), else a held-back weight-gradient half W. ``limit`` is at most ``p``, the most 1F1B keeps on
+    any stage (its first); each rank's limit is ``min(p, p - rank + k)``, with the ``k`` whose
+    schedule finishes first (ties: the smaller k, less memory). Early stages fill their cool-down
+    waits with W's, later stages hold more micro-batches than under 1F1B but never more than its
+    first stage does.
+
+    Durations are one unit each (F = I = W), or ``costs``: each rank's measured seconds of F, I and
+    W (the paper's automatic scheduling; the runtime re-plans once it has measured them). Either way
+    every rank runs its I's and its W's in micro-batch order, so gradients are summed in the same
+    order under any costs: the same bits."""
+    unit = tuple((1.0, 1.0, 1.0) for _ in range(p))
+    durations = costs or unit
+    if len(durations) != p:
+        raise ValueError(f"zb_h1 costs name {len(durations)} pipeline ranks, expected {p}.")
+    # each k in increasing order (a tie keeps the smaller: less memory); with costs, the unit-time orders
+    # compete too, timed at the costs (the greedy choice is not always the faster one there)
+    runs = [_list_schedule(p, m, [min(p, p - r + k) for r in range(p)], d) for d in dict.fromkeys((durations, unit)) for k in range(p + 1)]
+    if costs is not None:
+        from lightning_3d.pipeline.simulator import simulate
+
+        timed = [{"F": f, "I": i, "W": w} for f, i, w in durations]
+        runs = [(simulate(_to_actions("zb_h1", p, 1, orders), costs=timed).makespan, orders) for _, orders in runs]
+    best = min(range(len(runs)), key=lambda i: (runs[i][0], i))
+    return tuple(tuple(o) for o in runs[best][1])
 
 
-def _list_schedule(p: int, m: int, limits: list[int]) -> tuple[int, list[list[tuple[str, int, int]]]]:
-    """(makespan, per-rank orders) of the unit-time list schedule described in :func:`_zb_h1_orders`."""
-    forwards, inputs, weights, in_flight, busy_until = [0] * p, [0] * p, [0] * p, [0] * p, [0] * p
-    f_done: list[dict[int, int]] = [{} for _ in range(p)]
-    i_done: list[dict[int, int]] = [{} for _ in range(p)]
+def _list_schedule(p: int, m: int, limits: list[int], durations: Costs) -> tuple[float, list[list[tuple[str, int, int]]]]:
+    """(makespan, per-rank orders) of the list schedule described in :func:`_zb_h1_orders`, event by
+    event: at each moment a rank is free or a message arrives, the free ranks choose in rank order."""
+    forwards, inputs, weights, in_flight = [0] * p, [0] * p, [0] * p, [0] * p
+    busy_until = [0.0] * p
+    f_done: list[dict[int, float]] = [{} for _ in range(p)]
+    i_done: list[dict[int, float]] = [{} for _ in range(p)]
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    t = 0
+    t = 0.0
     while any(w < m for w in weights):
+        chosen = False
         for r in range(p):
             if busy_until[r] > t:
                 continue
@@ -127,28 +146,35 @@ def _list_schedule(p: int, m: int, limits: list[int]) -> tuple[int, list[list[tu
                 ready = (f_done[r] if r == p - 1 else i_done[r + 1]).get(inputs[r])
                 kind = "I" if ready is not None and ready <= t else None
             if kind is None and forwards[r] < m and in_flight[r] < limits[r]:
-                ready = 0 if r == 0 else f_done[r - 1].get(forwards[r])
+                ready = 0.0 if r == 0 else f_done[r - 1].get(forwards[r])
                 kind = "F" if ready is not None and ready <= t else None
             if kind is None and weights[r] < inputs[r]:
                 kind = "W"
             if kind is None:
                 continue
+            end = t + durations[r]["FIW".index(kind)]
             if kind == "F":
-                f_done[r][forwards[r]] = t + 1
+                f_done[r][forwards[r]] = end
                 orders[r].append(("F", forwards[r], 0))
                 forwards[r] += 1
                 in_flight[r] += 1
             elif kind == "I":
-                i_done[r][inputs[r]] = t + 1
+                i_done[r][inputs[r]] = end
                 orders[r].append(("I", inputs[r], 0))
                 inputs[r] += 1
             else:
                 orders[r].append(("W", weights[r], 0))
                 weights[r] += 1
                 in_flight[r] -= 1
-            busy_until[r] = t + 1
-        t += 1
-    return t, orders
+            busy_until[r] = end
+            chosen = True
+        if chosen and min(busy_until) <= t:  # a zero-length compute: choose again at the same moment
+            continue
+        upcoming = [x for x in busy_until if x > t] + [x for done in (*f_done, *i_done) for x in done.values() if x > t]
+        if not upcoming:  # cannot happen: a rank with work left always has an I, F or W, now or later
+            raise AssertionError(f"zb_h1 list schedule stalled at t={t} (p={p}, m={m}, limits={limits})")
+        t = min(upcoming)
+    return max(busy_until), orders
 
 
 class _Order:
@@ -231,12 +257,13 @@ def _dualpipe_v_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
     return o.out
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
-    """Actions for every pipeline rank. ``forward_only`` is for validation, test and predict."""
-    return _build(name, p, m, v, forward_only)[0]
+def build_schedule(name: str, p: int, m: int, v: int = 1, forward_only: bool = False, costs: Optional[Costs] = None) -> list[list[Action]]:
+    """Actions for every pipeline rank. ``forward_only`` is for validation, test and predict;
+    ``costs`` (zb_h1 only): each rank's measured seconds of F, I and W, to plan the order at."""
+    return _build(name, p, m, v, forward_only, costs)[0]
 
 
-def _build(name: str, p: int, m: int, v: int, forward_only: bool) -> tuple[list[list[Action]], bool]:
+def _build(name: str, p: int, m: int, v: int, forward_only: bool, costs: Optional[Costs] = None) -> tuple[list[list[Action]], bool]:
     """(the schedule, whether its communication plan was already checked)."""
     if name not in SCHEDULES:
         raise ValueError(f"pipeline_schedule={name!r} is not supported; choose one of {SCHEDULES}.")
@@ -247,7 +274,7 @@ def _build(name: str, p: int, m: int, v: int, forward_only: bool) -> tuple[list[
     if name not in V_SHAPED and name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"virtual_stages={v} needs pipeline_schedule='interleaved_1f1b' (got {name!r}).")
     if name != "interleaved_1f1b" or not m % p or forward_only:
-        return _actions(name, p, m, v, forward_only, 0), False
+        return _actions(name, p, m, v, forward_only, 0, costs if name == "zb_h1" else None), False
     # A short last group can leave the standard warm-up too small to keep every rank fed; warm up a
     # little more (more forwards in flight for this one step) until the simulator shows the schedule
     # and the communication plan the runtime posts for it run under NCCL semantics. Warming up
@@ -275,24 +302,29 @@ def _runs(schedule: list[list[Action]]) -> bool:
     return True
 
 
-def build_plan(name: str, p: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Step]]:
+def build_plan(name: str, p: int, m: int, v: int = 1, forward_only: bool = False, costs: Optional[Costs] = None) -> list[list[Step]]:
     """The communication plan the runtime executes: the schedule's, checked under NCCL semantics
     (with and without shape headers) before any rank posts a message."""
-    schedule, checked = _build(name, p, m, v, forward_only)
+    schedule, checked = _build(name, p, m, v, forward_only, costs)
     plan = communication_plan(schedule)
     if not checked and not _runs(schedule):  # cannot happen (see communication_plan); never hang a cluster on it
         raise AssertionError(f"the {name} communication plan for p={p}, m={m}, v={v} fails the NCCL-semantics check")
     return plan
 
 
-def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup: int) -> list[list[Action]]:
+def _actions(name: str, p: int, m: int, v: int, forward_only: bool, extra_warmup: int, costs: Optional[Costs] = None) -> list[list[Action]]:
+    orders = [_compute_order(name, p, m, v, rank, extra_warmup, costs) for rank in range(p)]
+    if forward_only:
+        orders = [[c for c in order if c[0] == "F"] for order in orders]
+    return _to_actions(name, p, v, orders)
+
+
+def _to_actions(name: str, p: int, v: int, orders: list[list[tuple[str, int, int]]]) -> list[list[Action]]:
+    """Every rank's compute order with its receives right before and its sends right after."""
     last = p * v - 1
     vee = name in V_SHAPED
     ranks = []
-    for rank in range(p):
-        order = _compute_order(name, p, m, v, rank, extra_warmup)
-        if forward_only:
-            order = [c for c in order if c[0] == "F"]
+    for rank, order in enumerate(orders):
         actions: list[Action] = []
         for kind, micro, chunk in order:
             piece = piece_of(p, rank, chunk, vee)
