@@ -47,7 +47,7 @@ BUBBLE_MICRO_SIZE = 2  # samples per micro-batch in every cell: the batch is m x
 BUBBLE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipe_v", 2))
 BUBBLE_PP = (2, 4)
 BUBBLE_M = (4, 8, 16)
-BUBBLE_WARMUP = 2
+BUBBLE_WARMUP = 4  # zb_h1 replans at its measured costs before the 4th call (PipelineConfig.replan_after)
 # The acceptance cell (pp=2, m=8) again with 8x the compute per micro-batch (twice the width, twice the
 # tokens): gloo posts a message in ~1.5-3 ms on these loaded cores, a sizeable share of the small
 # model's 4 ms chunk forward, while on a GPU a post is a kernel launch.
@@ -262,6 +262,7 @@ def _bubble_cells(
                 "wall_s": statistics.mean(s.wall_s for s in measured),
                 "costs": {k: seconds[k] / counts[k] for k in seconds if counts[k]},
                 "step_s": statistics.median(times[warmup:]),
+                "planned_at": runtime.costs,  # zb_h1: the agreed costs its order was planned at (None: unit)
             }
         )
     return out
@@ -283,7 +284,8 @@ def summarize_cell(name: str, v: int, pp: int, m: int, repeats: list[list[dict[s
     (each rank's median over measured steps), median over repeats; the schedule simulated at each
     repeat's measured per-kind costs (the ranks' mean), median over repeats; step time = the slowest
     rank's median, median over repeats."""
-    schedule = build_schedule(name, pp, m, v)
+    planned_at = repeats[0][0].get("planned_at")  # the order the ranks ran (zb_h1 replans at measured costs)
+    schedule = build_schedule(name, pp, m, v, costs=planned_at)
     idle = statistics.median(statistics.mean(r["idle_fraction"] for r in ranks) for ranks in repeats)
     costs = [_mean_costs(ranks) for ranks in repeats]
     at_costs = statistics.median(simulate(schedule, costs=c).bubble for c in costs)
@@ -306,6 +308,11 @@ def summarize_cell(name: str, v: int, pp: int, m: int, repeats: list[list[dict[s
         "minus_rank_sim": round(idle - at_rank_costs, 4),
         "step_s": round(step, 4),
         "costs_ms": {k: round(1e3 * c, 3) for k, c in median_costs.items()},
+        "costs_ms_by_rank": [
+            {k: round(1e3 * statistics.median(ranks[r]["costs"][k] for ranks in repeats), 3) for k in repeats[0][r]["costs"]}
+            for r in range(len(repeats[0]))
+        ],
+        "planned_at_measured_costs": planned_at is not None,
         "measured_runs": [round(statistics.mean(r["idle_fraction"] for r in ranks), 4) for ranks in repeats],
     }
 
