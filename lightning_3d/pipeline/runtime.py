@@ -373,6 +373,7 @@ class PipelineRuntime:
         split = any(isinstance(s, Action) and s.kind == "I" for s in plan)
         with self.deferred.intercepting() if split else nullcontext():
             self._steps(plan, micro, weights, wire, stats, stored, held, losses, heads, scale, train)
+        wire.finish()
         assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
         assert not held, "the schedule left weight gradients behind"
         wire.keep_spares()
@@ -543,7 +544,10 @@ class _Wire:
         self.device = runtime._device()
         self.outgoing: dict[tuple[str, int, int], Tensor] = {}  # (SEND_*, micro, chunk) -> what the compute produced
         self.received: dict[tuple[str, int, int], Tensor] = {}  # (RECV_*, micro, chunk) -> buffer
-        self.works: dict[int, tuple[list[Any], list[Tensor]]] = {}  # posted item -> (works, tensors in flight)
+        self.works: dict[int, tuple[list[Any], list[Tensor], list[bool]]] = {}  # posted item -> (works, tensors in flight, sends)
+        # sends whose item's receives were waited, still in flight (a backend with one work per operation:
+        # gloo); waited at the end of the step. Under NCCL a batch is one work and completes as one.
+        self.trailing: list[tuple[Any, Tensor]] = []
         self.arriving: dict[int, list[tuple[tuple[str, int, int], Tensor]]] = {}  # posted item -> its receives
         self.posted = 0
 
@@ -556,6 +560,7 @@ class _Wire:
         receives, sends = headers_of(step, lambda a: self._key(a) not in described)
         works: list[Any] = []
         tensors: list[Tensor] = []
+        sent: list[bool] = []  # per work, when the backend returns one per operation: a send?
         if receives or sends:
             ops, incoming = [], []
             for a in step.ops:
@@ -577,6 +582,7 @@ class _Wire:
                     described[self._key(a)] = _described(header)
             else:
                 works += header_works
+                sent += [True] * len(header_works)
         ops, arriving = [], []
         for a in step.ops:
             peer = self.runtime._peer(a)
@@ -607,7 +613,8 @@ class _Wire:
             works.append(op.op(op.tensor, op.peer, op.group))
         else:
             works += dist.batch_isend_irecv(ops)
-        self.works[self.posted] = (works, tensors)
+        sent += [op.op is dist.isend for op in ops]
+        self.works[self.posted] = (works, tensors, sent if len(sent) == len(works) == len(tensors) else [])
         self.arriving[self.posted] = arriving
         self.posted += 1
 
@@ -636,7 +643,8 @@ class _Wire:
         if not lent:  # (nothing received for it: the first piece, evaluation) -- no scan on the hot path
             return
         sending = {t.untyped_storage().data_ptr() for t in self.outgoing.values()}
-        sending |= {t.untyped_storage().data_ptr() for _, tensors in self.works.values() for t in tensors}
+        sending |= {t.untyped_storage().data_ptr() for _, tensors, _ in self.works.values() for t in tensors}
+        sending |= {t.untyped_storage().data_ptr() for _, t in self.trailing}
         for t in lent:
             if t.untyped_storage().data_ptr() not in sending:
                 self.runtime._spare.setdefault((tuple(t.shape), t.dtype), []).append(t)
@@ -650,10 +658,19 @@ class _Wire:
     def wait(self, items: tuple[int, ...]) -> None:
         """Wait for posted items; their receives are then complete and go to the computes."""
         for i in items:
-            works, _ = self.works.pop(i)  # (the tensors in flight are released with it)
-            for w in works:
-                w.wait()
+            works, tensors, sent = self.works.pop(i)  # (the tensors in flight are released with it)
+            for j, w in enumerate(works):
+                if sent and sent[j]:  # its own work: no need to hold the host until the peer took it
+                    self.trailing.append((w, tensors[j]))
+                else:
+                    w.wait()
             self.received.update(self.arriving.pop(i))
+
+    def finish(self) -> None:
+        """End of the step: the sends left in flight are complete (their buffers are free again)."""
+        for w, _ in self.trailing:
+            w.wait()
+        self.trailing.clear()
 
     def hand_over(self, action: Action) -> None:
         """A message to this very rank (one pipeline rank with virtual stages): no wire."""
