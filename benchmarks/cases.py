@@ -251,6 +251,14 @@ def pp2_zbv_vs_torch_pipelining(steps: int, repeats: int) -> dict[str, Any]:
 
 
 @case
+def pp2_zbv_vs_torch_pipelining_8x(steps: int, repeats: int) -> dict[str, Any]:
+    """The zb_v comparison on a GPT with 8x the compute per chunk (messages small against compute)."""
+    from pipeline_cases import ZBV_GPT_8X, compare_zbv_with_torch
+
+    return {**compare_zbv_with_torch(steps, repeats, ZBV_GPT_8X), "case": "pp2_zbv_vs_torch_pipelining_8x"}
+
+
+@case
 def pipeline_bubbles(steps: int, repeats: int) -> dict[str, Any]:
     from pipeline_cases import bubbles
 

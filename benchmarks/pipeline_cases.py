@@ -40,6 +40,9 @@ ZBV_MICRO = 8  # micro-batches of the zb_v comparison (>= 2p - 1 = 3, where ZB-V
 # tied embedding, both ends on rank 0 in the V) a wrong gradient (0.23x one process's norm at step 1,
 # every other gradient equal), so a tied model would not train alike on the two sides after step 1.
 ZBV_GPT = dict(PIPE_GPT, tie_embeddings=False)
+# The same comparison with 8x the compute per chunk (twice the width, two blocks per chunk), where a
+# message is small against the compute around it (as on a GPU with NCCL).
+ZBV_GPT_8X = dict(vocab_size=256, block_size=128, n_layer=8, n_head=4, n_embd=256, tie_embeddings=False)
 
 # The bubble table: 8 blocks, so pp=4 x 2 chunks holds one block per piece.
 BUBBLE_GPT = dict(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128)
@@ -117,12 +120,12 @@ def torch_pipelining(steps: int, schedule: str) -> dict[str, float]:
     return {"step_s": statistics.median(times[3:])}
 
 
-def torch_zbv(steps: int) -> dict[str, Any]:
+def torch_zbv(steps: int, gpt: Optional[dict] = None) -> dict[str, Any]:
     """torch's ScheduleZBVZeroBubble on 2 ranks: rank r runs stages r and 3 - r of 4 (the last on rank 0)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
     rank, p = dist.get_rank(), 2
-    model = _dense(ZBV_GPT)
+    model = _dense(gpt or ZBV_GPT)
     indices = (rank, 2 * p - 1 - rank)
     modules = [_TorchStage(model, i, 2 * p) for i in indices]
     stages = [PipelineStage(mod, i, 2 * p, torch.device("cpu")) for mod, i in zip(modules, indices)]
@@ -181,30 +184,31 @@ def compare_with_torch(steps: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def compare_zbv_with_torch(steps: int, repeats: int) -> dict[str, Any]:
-    """Our zb_v vs torch.distributed.pipelining.ScheduleZBVZeroBubble: same GPT (4 blocks, one per
-    stage; embeddings untied, see ZBV_GPT), same V split on 2 ranks, same micro-batches and loop; alternated, median of repeats.
+def compare_zbv_with_torch(steps: int, repeats: int, gpt: Optional[dict] = None) -> dict[str, Any]:
+    """Our zb_v vs torch.distributed.pipelining.ScheduleZBVZeroBubble: same GPT (by default 4 blocks,
+    one per stage; embeddings untied, see ZBV_GPT), same V split on 2 ranks, same micro-batches and loop; alternated, median of repeats.
     The first two steps' losses of both sides are kept: equal at step 1 means equal forward work,
     equal at step 2 means equal gradients went into the same AdamW step."""
     steps = max(steps, 5)
+    gpt = gpt or ZBV_GPT
     mine, theirs = [], []
     ours_losses: list[float] = []
     torch_losses: list[float] = []
     for _ in range(repeats):
-        ranks = run_on_ranks(ours, 2, steps, "zb_v", 2, ZBV_MICRO, ZBV_GPT, timeout=600)
+        ranks = run_on_ranks(ours, 2, steps, "zb_v", 2, ZBV_MICRO, gpt, timeout=600)
         mine.append(max(r["step_s"] for r in ranks))
         ours_losses = ranks[0]["losses"]
-        ranks = run_on_ranks(torch_zbv, 2, steps, timeout=600)
+        ranks = run_on_ranks(torch_zbv, 2, steps, gpt, timeout=600)
         theirs.append(max(r["step_s"] for r in ranks))
         torch_losses = ranks[0]["losses"]
     ours_s, torch_s = statistics.median(mine), statistics.median(theirs)
     diff = [abs(a - b) for a, b in zip(ours_losses, torch_losses)]
     return {
         "case": "pp2_zbv_vs_torch_pipelining",
-        "model": ZBV_GPT,
+        "model": gpt,
         "batch": BATCH,
         "micro_batches": ZBV_MICRO,
-        "split": "2 ranks x 2 stages in a V: rank r holds stage indices r and 3-r of 4 (one block each)",
+        "split": f"2 ranks x 2 stages in a V: rank r holds stage indices r and 3-r of 4 ({gpt['n_layer'] // 4} blocks each)",
         "steps": steps,
         "repeats": repeats,
         "ours_step_s": round(ours_s, 4),
