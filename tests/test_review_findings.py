@@ -31,9 +31,19 @@ class AddParam(torch.nn.Module):
         return x + self.p
 
 
-def _alias_model() -> WideToy:
+class AddViewedParam(AddParam):
+    """``x + p.view(...)`` with a flat ``p``: autograd hands the parameter a *view* of the incoming
+    gradient, which AccumulateGrad keeps as ``p.grad`` (second review: the receive buffer then came
+    back as a spare under it and the next message overwrote the gradient)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p.view(1, 3, 8)
+
+
+def _alias_model(viewed: bool = False) -> WideToy:
     model = WideToy(layers=4, hidden=8)
-    model.blocks[2] = AddParam((1, 3, 8))  # piece 2: rank 1's second chunk under zb_v at pp=2 (gets its gradient over the wire)
+    # piece 2: rank 1's second chunk under zb_v at pp=2, rank 1's first block under 1f1b (gets its gradient over the wire)
+    model.blocks[2] = AddViewedParam((24,)) if viewed else AddParam((1, 3, 8))
     return model
 
 
@@ -48,22 +58,30 @@ def _alias_steps(model: torch.nn.Module) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _alias_world() -> list[dict[str, np.ndarray]]:
+def _alias_world(cases: list[tuple[str, bool]]) -> list[list[dict[str, np.ndarray]]]:
     from lightning_3d.topology import ParallelDims, Topology
 
     topology = Topology.build(ParallelDims(dp=1, tp=1, pp=2))
-    model = _alias_model()
-    pipeline_model(model, model.pipeline_sequence(), topology, PipelineConfig(schedule="zb_v", virtual_stages=2, micro_batches=4))
-    return _alias_steps(model)
+    out = []
+    for schedule, viewed in cases:
+        model = _alias_model(viewed)
+        v = 2 if schedule == "zb_v" else 1
+        pipeline_model(model, model.pipeline_sequence(), topology, PipelineConfig(schedule=schedule, virtual_stages=v, micro_batches=4))
+        out.append(_alias_steps(model))
+    return out
 
 
-def test_zero_bubble_param_grad_that_is_the_received_gradient_survives_buffer_reuse():
-    reference = _alias_steps(_alias_model())
-    ranks = run_on_ranks(_alias_world, 2, timeout=120)
-    for step, ref in enumerate(reference):
-        for r in ranks:
-            for n, g in r[step].items():
-                np.testing.assert_allclose(g, ref[n], rtol=1e-4, atol=1e-7, err_msg=f"step {step} {n}")
+def test_param_grad_that_is_the_received_gradient_survives_buffer_reuse():
+    """Same shape (the gradient is the buffer's values) and viewed (the gradient is a view of the buffer),
+    under a split backward (zb_v) and a whole one (1f1b)."""
+    cases = [("zb_v", False), ("zb_v", True), ("1f1b", True), ("zb_h1", True)]
+    ranks = run_on_ranks(_alias_world, 2, cases, timeout=180)
+    for i, (schedule, viewed) in enumerate(cases):
+        reference = _alias_steps(_alias_model(viewed))
+        for step, ref in enumerate(reference):
+            for r in ranks:
+                for n, g in r[i][step].items():
+                    np.testing.assert_allclose(g, ref[n], rtol=1e-4, atol=1e-7, err_msg=f"{schedule} viewed={viewed} step {step} {n}")
 
 
 # -- sequence parallel: an in-place op on the prepared (gathered) input before the column layer ----------------

@@ -140,3 +140,91 @@ def test_nothing_is_intercepted_without_grad() -> None:
     with store.intercepting(), torch.no_grad():
         model(torch.randn(2, 5, 8))
     assert store.deferred == 0
+
+
+# -- second review's findings ------------------------------------------------------------------------------
+class Square(nn.Module):
+    """Square weights (q/k/v-like): a recompute that saved W where the forward saved W^T would pass
+    torch's shape check and silently use the transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = nn.Linear(4, 4)
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return checkpoint(lambda t: torch.tanh(self.inner(t)), h, use_reentrant=False)  # the model's own checkpoint
+
+
+@pytest.mark.parametrize("mode", ["B", "IW"])
+def test_a_foreign_checkpoint_nested_in_ours_is_left_alone(mode: str) -> None:
+    model = Square()
+    checkpoint_forward(model)  # ours around the model's own
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).pow(2).sum().backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    store, works = DeferredWeightGradients(), []
+    with store.intercepting():
+        loss = model(x).pow(2).sum()
+        if mode == "IW":
+            with store.collect(works):
+                loss.backward()
+        else:
+            loss.backward()
+    store.run(works)
+    assert store.deferred == 2  # model.a, in our forward and our recompute; not inner, inside the foreign one
+    for n, g in reference.items():
+        assert torch.equal(model.get_parameter(n).grad, g), n
+
+
+def test_an_in_place_change_between_i_and_w_is_an_error() -> None:
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    store, works = DeferredWeightGradients(), []
+    with store.intercepting():
+        h = x.clone().requires_grad_()
+        y = layer(h)
+        with store.collect(works):
+            y.sum().backward()
+    with torch.no_grad():  # the layer's saved input changes after I, before W
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        store.run(works)
+
+
+def test_double_backward_is_refused() -> None:
+    layer = nn.Linear(4, 4)
+    store = DeferredWeightGradients()
+    with store.intercepting():
+        y = layer(torch.randn(3, 4, requires_grad=True)).pow(2).sum()
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(y, layer.weight, create_graph=True)
+
+
+def test_what_autograd_would_compute_differently_is_left_to_autograd() -> None:
+    """A bias broadcast over the outputs, float64, a non-contiguous weight: not intercepted."""
+    store = DeferredWeightGradients()
+    w = nn.Parameter(torch.randn(6, 4))
+    cases = [
+        (torch.randn(3, 4), w, nn.Parameter(torch.randn(1))),
+        (torch.randn(3, 4, dtype=torch.float64), nn.Parameter(torch.randn(6, 4, dtype=torch.float64)), None),
+        (torch.randn(3, 4), nn.Parameter(torch.randn(4, 6).t()), None),
+    ]
+    with store.intercepting():
+        for x, weight, bias in cases:
+            torch.nn.functional.linear(x, weight, bias).sum().backward()
+    assert store.deferred == 0
+
+
+def test_under_autocast_a_weight_is_cast_once_per_step() -> None:
+    layer = nn.Linear(8, 8)
+    store = DeferredWeightGradients()
+    outs = []
+    with store.intercepting(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(4):  # four micro-batches in flight
+            outs.append(layer(torch.randn(2, 8)))
+        assert len(store._casts) == 1  # (autograd's autocast shares one cast too)
+    assert not store._casts  # dropped with the step

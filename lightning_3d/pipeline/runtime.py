@@ -17,6 +17,7 @@ before the first message (docs/pipeline.md, "NCCL semantics"); no tags.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Union
@@ -255,7 +256,7 @@ class PipelineRuntime:
         whole world gives every rank the same table -- tensor-parallel peers must run one order, and one
         plan everywhere keeps it simple -- and the plans are built again at those costs. Once per run,
         one host read. The sums into each gradient keep their order (see ``_zb_h1_orders``)."""
-        measured = [s for s in self.history[1:] if s.computes.get("W")]
+        measured = [s for s in self.history if s.computes.get("W")][1:]  # training steps (evaluation runs no W), not the first
         row = []
         for kind in "FIW":
             count = sum(s.computes.get(kind, 0) for s in measured)
@@ -371,8 +372,11 @@ class PipelineRuntime:
         scale = self.loss_scale() if train else 1.0
         plan = self._plan(m, train)
         split = any(isinstance(s, Action) and s.kind == "I" for s in plan)
+        # every parameter the rank holds, read each step (one frozen at set-up may train later): whose .grad
+        # a receive buffer must not be reused under
+        parameters = list({id(q): q for q in self.model.parameters()}.values()) if train else []
         with self.deferred.intercepting() if split else nullcontext():
-            self._steps(plan, micro, weights, wire, stats, stored, held, losses, heads, scale, train)
+            self._steps(plan, micro, weights, wire, stats, stored, held, losses, heads, scale, train, parameters)
         wire.finish()
         assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
         assert not held, "the schedule left weight gradients behind"
@@ -399,6 +403,7 @@ class PipelineRuntime:
         heads: list[HeadOutput],
         scale: float,
         train: bool,
+        parameters: list[Tensor],
     ) -> None:
         """Run this rank's plan: posts, waits, computes, local hand-overs."""
         for step in plan:
@@ -444,12 +449,12 @@ class PipelineRuntime:
                     wire.outgoing[("SEND_GRAD", *key)] = x_grad if x_grad is not None else torch.zeros_like(x)
                 del x, out, grad, target
                 if step.kind == "B":
-                    wire.give_back(key)
+                    wire.give_back(key, parameters)
                 stats.count(step.kind, time.perf_counter() - t0)
             elif step.kind == "W":
                 t0 = time.perf_counter()
                 self.deferred.run(held.pop((step.micro, step.chunk)))
-                wire.give_back((step.micro, step.chunk))  # (W read the received gradient: buffers go back after it)
+                wire.give_back((step.micro, step.chunk), parameters)  # (W read the received gradient: buffers go back after it)
                 stats.count(step.kind, time.perf_counter() - t0)
             else:
                 wire.hand_over(step)
@@ -635,14 +640,17 @@ class _Wire:
         self.lent.setdefault(owner, []).append(t)
         return t
 
-    def give_back(self, owner: tuple[int, int]) -> None:
+    def give_back(self, owner: tuple[int, int], parameters: Iterable[Tensor] = ()) -> None:
         """The micro-batch's piece finished its backward (B, or W after I: a deferred weight gradient
         reads the received gradient): its receive buffers are spares again, unless one shares memory
-        with a tensor still to be sent (a gradient autograd handed through unchanged)."""
+        with a tensor still to be sent (a gradient autograd handed through unchanged) or with one of
+        ``parameters``' ``.grad`` (autograd keeps a view of the incoming gradient as the gradient of a
+        parameter that reaches the output through views alone, e.g. ``x + w.view(...)``)."""
         lent = self.lent.pop(owner, ())
         if not lent:  # (nothing received for it: the first piece, evaluation) -- no scan on the hot path
             return
-        sending = {t.untyped_storage().data_ptr() for t in self.outgoing.values()}
+        sending = {q.grad.untyped_storage().data_ptr() for q in parameters if q.grad is not None}
+        sending |= {t.untyped_storage().data_ptr() for t in self.outgoing.values()}
         sending |= {t.untyped_storage().data_ptr() for _, tensors, _ in self.works.values() for t in tensors}
         sending |= {t.untyped_storage().data_ptr() for _, t in self.trailing}
         for t in lent:

@@ -41,8 +41,20 @@ def _trainable_leaf(t: Any) -> bool:
     return isinstance(t, Tensor) and type(t) in (Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # (float64 is left to autograd: autocast does not cast it)
+
+
 def _plain(t: Any) -> bool:
-    return t is None or (isinstance(t, Tensor) and type(t) in (Tensor, torch.nn.Parameter) and t.is_floating_point())
+    return t is None or (isinstance(t, Tensor) and type(t) in (Tensor, torch.nn.Parameter) and t.dtype in _FLOATS)
+
+
+def _deferrable(x: Any, weight: Any, bias: Any, transposed: bool) -> bool:
+    """What this module's function computes exactly as autograd would: a trainable contiguous leaf
+    weight, plain float tensors, a bias of one value per output (not one broadcast to all)."""
+    if not (_trainable_leaf(weight) and _plain(x) and _plain(bias) and weight.dim() == 2 and weight.is_contiguous()):
+        return False
+    outputs = weight.shape[1] if transposed else weight.shape[0]
+    return (x.dim() == 2 if transposed else x.dim() >= 1) and (bias is None or tuple(bias.shape) == (outputs,))
 
 
 def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
@@ -67,7 +79,8 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], store: "DeferredWeightGradients", transposed: bool) -> Tensor:
         dtype = _autocast_dtype(x.device)
-        xc, wc, bc = (t if t is None or dtype is None else t.to(dtype) for t in (x, weight, bias))
+        xc, bc = (t if t is None or dtype is None else t.to(dtype) for t in (x, bias))
+        wc = weight if dtype is None else store.cast(weight, dtype)
         with torch.autocast(x.device.type, enabled=False) if dtype is not None else _nothing():
             if transposed:
                 y = torch.addmm(bc, xc.reshape(-1, xc.shape[-1]), wc).view(*xc.shape[:-1], wc.shape[1])
@@ -80,6 +93,11 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Optional[Tensor], ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "a zero-bubble pipeline schedule's linear layers do not support a double backward (create_graph=True); "
+                "use pipeline_schedule='1f1b' for it."
+            )
         xc, wc = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         g = grad_y.reshape(-1, grad_y.shape[-1])
@@ -101,8 +119,15 @@ class _DeferredLinear(torch.autograd.Function):
         if pending is None:  # a whole backward: autograd accumulates them
             return grad_x, weight_grad() if need_w else None, bias_grad() if need_b else None, None, None
         deferred_bias = need_b and _trainable_leaf(bias)
+        versions = (xc._version, grad_y._version)  # what autograd checks for saved tensors, checked again at W
 
         def work() -> None:
+            if (xc._version, grad_y._version) != versions:
+                raise RuntimeError(
+                    f"a linear layer's input or output gradient ({tuple(xc.shape)}) was modified in place between the "
+                    f"zero-bubble schedule's input-gradient half and its weight-gradient half; its weight gradient would be "
+                    f"wrong. Avoid the in-place operation or use pipeline_schedule='1f1b'."
+                )
             if need_w:
                 _accumulate(weight, weight_grad())
             if deferred_bias:
@@ -119,14 +144,22 @@ def _nothing() -> Iterator[None]:
 
 
 # Process-wide (a GPU backward, and the recompute in it, runs on autograd's device thread): the store of
-# the step now intercepting, and how deep we are inside our own checkpoint's forward or recompute.
+# the step now intercepting, and the saved-tensor hooks torch's checkpoint had pushed when our own
+# checkpoint's forward or recompute contexts were entered (torch pushes them before entering those).
 _intercepting: Optional["DeferredWeightGradients"] = None
-_checkpoint_depth = 0
+_our_hooks: list[Any] = []
+
+
+def _top_hooks() -> Any:
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
 def _may_defer() -> bool:
-    """Outside saved-tensor hooks, or inside our own checkpoint (whose recompute intercepts too)."""
-    return _checkpoint_depth > 0 or torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    """Outside saved-tensor hooks, or right inside our own checkpoint (whose recompute intercepts too).
+    Inside any other hooks -- someone else's checkpoint, even one nested in ours, a memory probe --
+    nothing is deferred, so a foreign recompute saves what its forward saved."""
+    top = _top_hooks()
+    return top is None or (bool(_our_hooks) and _our_hooks[-1] is not None and top[0] is _our_hooks[-1][0])
 
 
 class _Intercept(TorchFunctionMode):
@@ -139,12 +172,12 @@ class _Intercept(TorchFunctionMode):
         if torch.is_grad_enabled() and (func is F.linear or func is torch.addmm) and _may_defer():
             if func is F.linear and not kwargs and 2 <= len(args) <= 3:
                 x, weight, bias = args[0], args[1], args[2] if len(args) == 3 else None
-                if _trainable_leaf(weight) and _plain(x) and _plain(bias) and x.dim() >= 1:
+                if _deferrable(x, weight, bias, transposed=False):
                     self.store.deferred += 1
                     return _DeferredLinear.apply(x, weight, bias, self.store, False)
             elif func is torch.addmm and not kwargs and len(args) == 3:  # HF Conv1D: addmm(bias, x2d, weight)
                 bias, x, weight = args
-                if _trainable_leaf(weight) and _plain(x) and _plain(bias) and x.dim() == 2 and bias.dim() == 1:
+                if bias is not None and _deferrable(x, weight, bias, transposed=True):
                     self.store.deferred += 1
                     return _DeferredLinear.apply(x, weight, bias, self.store, True)
         return func(*args, **kwargs)
@@ -156,6 +189,18 @@ class DeferredWeightGradients:
     def __init__(self) -> None:
         self.collecting: Optional[list[Work]] = None
         self.deferred = 0  # linear calls intercepted (a test reads it)
+        self._casts: dict[tuple[int, int, torch.dtype], Tensor] = {}
+
+    def cast(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        """The weight in autocast's dtype, cast once per step as autocast's own cache does (not once per
+        micro-batch: every micro-batch between its F and its I would hold its own copy)."""
+        if weight.dtype == dtype:
+            return weight
+        key = (id(weight), weight._version, dtype)
+        cast = self._casts.get(key)
+        if cast is None:
+            cast = self._casts[key] = weight.detach().to(dtype)
+        return cast
 
     @contextmanager
     def intercepting(self) -> Iterator[None]:
@@ -167,6 +212,7 @@ class DeferredWeightGradients:
                 yield
         finally:
             _intercepting = previous
+            self._casts.clear()
 
     @contextmanager
     def collect(self, into: list[Work]) -> Iterator[list[Work]]:
@@ -194,19 +240,17 @@ class _OurCheckpoint:
         self._modes: list[Optional[_Intercept]] = []
 
     def __enter__(self) -> None:
-        global _checkpoint_depth
-        _checkpoint_depth += 1
+        _our_hooks.append(_top_hooks())
         mode = _Intercept(_intercepting) if self.recompute and _intercepting is not None else None
         if mode is not None:
             mode.__enter__()
         self._modes.append(mode)
 
     def __exit__(self, *exc: Any) -> None:
-        global _checkpoint_depth
         mode = self._modes.pop()
         if mode is not None:
             mode.__exit__(*exc)
-        _checkpoint_depth -= 1
+        _our_hooks.pop()
 
 
 def checkpoint_contexts() -> tuple[_OurCheckpoint, _OurCheckpoint]:
