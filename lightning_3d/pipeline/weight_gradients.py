@@ -20,12 +20,12 @@ Why not torch's ``stage_backward_input``/``stage_backward_weight``: they keep th
 (``retain_graph``) until W and run one autograd call per group of weights, each walking the graph
 below it; on CPU that made a split backward 28% slower than the whole one (I + W = 80.6 ms against
 63 ms for 4 GPT blocks and the head), which unbalanced the stages. Here I frees the graph, W is one
-matmul per weight, and I + W costs what B does (docs/pipeline.md, "Runtime").
+matmul per weight, and I + W costs what B does (docs/pipeline.md, "How the halves run").
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -81,7 +81,7 @@ class _DeferredLinear(torch.autograd.Function):
         dtype = _autocast_dtype(x.device)
         xc, bc = (t if t is None or dtype is None else t.to(dtype) for t in (x, bias))
         wc = weight if dtype is None else store.cast(weight, dtype)
-        with torch.autocast(x.device.type, enabled=False) if dtype is not None else _nothing():
+        with torch.autocast(x.device.type, enabled=False) if dtype is not None else nullcontext():
             if transposed:
                 y = torch.addmm(bc, xc.reshape(-1, xc.shape[-1]), wc).view(*xc.shape[:-1], wc.shape[1])
             else:
@@ -136,11 +136,6 @@ class _DeferredLinear(torch.autograd.Function):
         if need_w or deferred_bias:
             pending.append(work)
         return grad_x, None, bias_grad() if need_b and not deferred_bias else None, None, None
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 # Process-wide (a GPU backward, and the recompute in it, runs on autograd's device thread): the store of
