@@ -292,11 +292,14 @@ class HealthMonitor:
         ranks = tuple(r for r, _ in silent)
         silent_s = max(s for _, s in silent)
         who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {list(ranks)} have"
+        # kill first, claim second: a rank that reads our claim kills the silent ranks on its host too,
+        # and could do it between our claim and our kill (then our line would not say we killed them)
+        killed = self._kill(ranks)
         failure = self.claim(Failure(self.rank, SILENT, ranks, f"{who} not responded for {silent_s:.0f} s"))
         if failure.by != self.rank:  # another rank was first: say what it found
             self._end(failure.line_for(self.rank), failure.ranks)
             return
-        note = self._kill_note(self._kill(ranks))
+        note = self._kill_note(killed)
         self._end(
             f"lightning_3d: {who} not responded for {silent_s:.0f} s (timeout {self.timeout:.0f} s): "
             f"{'it' if len(ranks) == 1 else 'they'} died or froze{note}. Ending rank {self.rank} instead of hanging; "
