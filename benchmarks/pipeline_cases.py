@@ -27,7 +27,7 @@ from torch import nn
 from lightning_3d.data import TokenWindows, stdlib_bytes
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.models.adapters.gpt import gpt_sequence
-from lightning_3d.pipeline.runtime import PipelineConfig, StepStats, pipeline_model
+from lightning_3d.pipeline.runtime import PipelineConfig, StepStats, mean_costs, pipeline_model
 from lightning_3d.pipeline.schedules import build_schedule, theoretical_bubble
 from lightning_3d.pipeline.simulator import simulate
 from lightning_3d.testing import run_on_ranks
@@ -254,17 +254,11 @@ def _bubble_cells(
             optimizer.zero_grad()
             times.append(time.perf_counter() - start)
         measured: list[StepStats] = runtime.history[warmup:]
-        seconds: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for s in measured:
-            for kind, sec in s.compute_s.items():
-                seconds[kind] = seconds.get(kind, 0.0) + sec
-                counts[kind] = counts.get(kind, 0) + s.computes[kind]
         out.append(
             {
                 "idle_fraction": statistics.median(s.idle_fraction for s in measured),  # a descheduled step is an outlier
                 "wall_s": statistics.mean(s.wall_s for s in measured),
-                "costs": {k: seconds[k] / counts[k] for k in seconds if counts[k]},
+                "costs": mean_costs(measured),
                 "step_s": statistics.median(times[warmup:]),
                 "planned_at": runtime.costs,  # zb_h1: the agreed costs its order was planned at (None: unit)
             }

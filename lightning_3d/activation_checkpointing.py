@@ -19,8 +19,8 @@ the models and their targets and calls :func:`checkpoint_blocks`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
-from contextlib import ExitStack
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.pipeline.weight_gradients import checkpoint_contexts
-from lightning_3d.tensor_parallel.random import RNGStatesTracker
+from lightning_3d.tensor_parallel.random import Reenterable, RNGStatesTracker
 
 MODES = ("full", "selective")
 
@@ -60,7 +60,7 @@ def checkpoint_forward(module: nn.Module, tracker: Optional[RNGStatesTracker] = 
         if tracker is None:
             return forward, recompute
         tracked_forward, tracked_recompute = tracker.checkpoint_context()
-        return _Together(tracked_forward, forward), _Together(tracked_recompute, recompute)
+        return Reenterable(lambda: _together(tracked_forward, forward)), Reenterable(lambda: _together(tracked_recompute, recompute))
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -72,21 +72,13 @@ def checkpoint_forward(module: nn.Module, tracker: Optional[RNGStatesTracker] = 
     module._activation_checkpointed = True  # type: ignore[attr-defined]
 
 
-class _Together:
-    """Several context managers entered as one, re-enterable (a recompute may run more than once)."""
-
-    def __init__(self, *contexts: Any) -> None:
-        self.contexts = contexts
-        self._stacks: list[ExitStack] = []
-
-    def __enter__(self) -> None:
-        stack = ExitStack()
-        for context in self.contexts:
+@contextmanager
+def _together(*contexts: Any) -> Iterator[None]:
+    """Several context managers entered as one."""
+    with ExitStack() as stack:
+        for context in contexts:
             stack.enter_context(context)
-        self._stacks.append(stack)
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._stacks.pop().__exit__(*exc)
+        yield
 
 
 def checkpoint_blocks(

@@ -77,11 +77,22 @@ class StepStats:
 
     def mean_costs(self) -> dict[str, float]:
         """Mean seconds of one compute of each kind (what :func:`simulate` takes as ``costs``)."""
-        return {k: self.compute_s[k] / n for k, n in self.computes.items() if n}
+        return mean_costs([self])
 
     @property
     def idle_fraction(self) -> float:
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def mean_costs(steps: Iterable[StepStats]) -> dict[str, float]:
+    """Mean seconds of one compute of each kind over several steps (their seconds over their counts)."""
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for s in steps:
+        for kind, sec in s.compute_s.items():
+            seconds[kind] = seconds.get(kind, 0.0) + sec
+            counts[kind] = counts.get(kind, 0) + s.computes[kind]
+    return {k: seconds[k] / n for k, n in counts.items() if n}
 
 
 @dataclass
@@ -256,11 +267,8 @@ class PipelineRuntime:
         whole world gives every rank the same table -- tensor-parallel peers must run one order, and one
         plan everywhere keeps it simple -- and the plans are built again at those costs. Once per run,
         one host read. The sums into each gradient keep their order (see ``_zb_h1_orders``)."""
-        measured = [s for s in self.history if s.computes.get("W")][1:]  # training steps (evaluation runs no W), not the first
-        row = []
-        for kind in "FIW":
-            count = sum(s.computes.get(kind, 0) for s in measured)
-            row.append(sum(s.compute_s.get(kind, 0.0) for s in measured) / count if count else 0.0)
+        measured = mean_costs([s for s in self.history if s.computes.get("W")][1:])  # training steps (evaluation runs no W), not the first
+        row = [measured.get(kind, 0.0) for kind in "FIW"]
         table = torch.zeros(self.p, 3, device=self._device())
         table[self.rank] = torch.tensor(row, device=self._device())
         dist.all_reduce(table, op=dist.ReduceOp.MAX)

@@ -124,7 +124,7 @@ class RNGStatesTracker:
             finally:
                 self.set_states(current)
 
-        return forward_context(), _Reenterable(recompute_context)
+        return forward_context(), Reenterable(recompute_context)
 
     def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``torch.utils.checkpoint`` (non-reentrant) that replays tensor-parallel dropout exactly."""
@@ -133,10 +133,10 @@ class RNGStatesTracker:
         )
 
 
-class _Reenterable:
+class Reenterable:
     """A context manager made afresh at each ``with``: a recompute may run more than once for one
-    forward (a zero-bubble schedule's input- and weight-gradient halves each unpack the saved
-    tensors), and a ``@contextmanager`` object can be entered only once."""
+    forward (each backward through a retained graph unpacks the saved tensors again), and a
+    ``@contextmanager`` object can be entered only once."""
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self._make = make
