@@ -222,8 +222,13 @@ def apply_pipeline(
         raise ValueError(
             f"pipeline_parallel={config.pipeline_parallel}, but {type(root).__name__} contains no model the "
             f"pipeline can split (model families: {known_names()}). Give your model a "
-            f"`pipeline_sequence()` method returning a lightning_3d.pipeline.LayerSequence."
+            f"`pipeline_sequence()` method returning a lightning_3d.pipeline.LayerSequence (from lightning_3d.pipeline "
+            f"import LayerSequence)."
         )
+    for name, model, _, adapter in found:
+        why = adapter.pipeline_refusal(model) if adapter is not None and not callable(getattr(model, "pipeline_sequence", None)) else None
+        if why:
+            raise ValueError(f"pipeline_parallel={config.pipeline_parallel}: {why}")
     pipeline_config = PipelineConfig(
         schedule=config.pipeline_schedule,
         virtual_stages=config.virtual_stages,

@@ -41,11 +41,6 @@ from lightning_3d.tensor_parallel.spec import TPSpec, get_spec, shard_tensor
 
 SOURCE_ATTR = "_lightning_3d_pretrained"
 
-# Hugging Face model types whose causal-LM class the strategy can parallelize (plans, layer sequences),
-# when the adapter registry cannot be imported.
-SUPPORTED_MODEL_TYPES = ("llama", "gpt2", "qwen2")
-
-
 @dataclass(frozen=True)
 class PretrainedSource:
     """Where a model's weights are: the directory, and for every parameter/persistent-buffer name of
@@ -126,16 +121,6 @@ def _as_dtype(dtype: Union[torch.dtype, str, None]) -> Optional[torch.dtype]:
     return names[dtype]
 
 
-def supported_model_types() -> tuple[str, ...]:
-    """Hugging Face model types ``from_pretrained`` builds: those the model-family adapters know (one
-    adapter per family, :mod:`lightning_3d.models.adapters.registry`), else the built-in list."""
-    try:
-        from lightning_3d.models.adapters.registry import adapters
-    except ImportError:
-        return SUPPORTED_MODEL_TYPES
-    return tuple(t for adapter in adapters() for t in adapter.hf_model_types)
-
-
 def from_pretrained(path: Union[str, Path], *, dtype: Union[torch.dtype, str, None] = None, **config_overrides: Any) -> nn.Module:
     """The causal-LM model of a Hugging Face directory, its parameters on the meta device.
 
@@ -159,13 +144,13 @@ def from_pretrained(path: Union[str, Path], *, dtype: Union[torch.dtype, str, No
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from lightning_3d.models.adapters.registry import adapter_for_hf_config
+
     config = transformers.AutoConfig.from_pretrained(str(directory), **config_overrides)
-    supported = supported_model_types()
-    if config.model_type not in supported:
-        raise ValueError(
-            f"{directory}: model_type={config.model_type!r} is not supported by lightning_3d (no tensor-parallel "
-            f"plan / pipeline sequence for it); supported: {', '.join(supported)}."
-        )
+    try:
+        adapter_for_hf_config(config)  # any causal LM transformers knows; plans are needed only by the layouts that split it
+    except ValueError as err:
+        raise ValueError(f"{directory}: {err}") from None
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     files = weight_files(directory)
     with meta_parameters(), _default_dtype(_as_dtype(dtype)):

@@ -122,26 +122,27 @@ class _Holder(nn.Module):
 
 def test_registry_finds_every_family():
     models = _models()
+    family = {"gpt": "gpt", "gpt_llama_style": "gpt", "gpt2": "gpt2", "llama": "hf", "qwen2": "hf"}  # hf: transformers' plans
     for name, model in models.items():
         adapter = adapter_for(model)
-        assert adapter is not None and adapter.name == name.split("_")[0], name
+        assert adapter is not None and adapter.name == family[name], name
         assert adapter_for(next(iter(model.children()))) is None  # a layer of the model is not the model
     holder = _Holder(**models)
     found = [(name, adapter.name) for name, _, adapter in find_models(holder)]
-    assert found == [(name, name.split("_")[0]) for name in models]  # outermost only: no nested match
+    assert found == [(name, family[name]) for name in models]  # outermost only: no nested match
     assert [name for name, *_ in find_sequences(holder)] == list(models)
     dims = dict(models_in(holder))
     assert (dims["qwen2"].n_head, dims["qwen2"].n_kv_head, dims["qwen2"].labels["n_kv_head"]) == (4, 2, "num_key_value_heads")
     for model_type, config in _hf_configs().items():
-        assert adapter_for_hf_config(config).name == model_type
-        assert adapter_for_hf_config(config.to_dict()).name == model_type
+        assert adapter_for_hf_config(config).name == family[model_type]
+        assert adapter_for_hf_config(config.to_dict()).name == family[model_type]
 
 
-def test_registry_refuses_an_unknown_model_type_naming_the_known_ones():
+def test_registry_refuses_a_model_type_that_is_no_causal_lm_naming_the_way_out():
     with pytest.raises(ValueError) as info:
-        adapter_for_hf_config(transformers.BertConfig())
+        adapter_for_hf_config(transformers.ViTConfig())
     message = str(info.value)
-    assert "model_type='bert'" in message and "gpt2, llama, qwen2" in message
+    assert "model_type='vit'" in message and "not a causal language model" in message and "register_adapter" in message
 
 
 def test_hf_export_lists_the_model_keys_and_leaves_a_tied_head_out():

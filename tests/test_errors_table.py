@@ -39,7 +39,7 @@ from lightning_3d.data import TextDataModule, TokenWindows
 from lightning_3d.data.corpus import prepare_byte_tokens, read_token_file, split_tokens
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.models.adapters.gpt import gpt_plan
-from lightning_3d.models.adapters.hf_common import _hf_inputs
+from lightning_3d.models.adapters.hf_sequence import hf_inputs as _hf_inputs
 from lightning_3d.parallelize import apply_activation_checkpointing
 from lightning_3d.pipeline.partition import partition
 from lightning_3d.planner import problem_from_config

@@ -285,8 +285,8 @@ def test_missing_key_and_shape_mismatch_are_named(tmp_path: Path) -> None:
 def test_unsupported_model_type_is_named(tmp_path: Path) -> None:
     import transformers
 
-    transformers.AutoConfig.for_model("bert").save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match=r"model_type='bert' is not supported.*llama"):
+    transformers.AutoConfig.for_model("vit").save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"model_type='vit'.*not a causal language model.*register_adapter"):
         from_pretrained(tmp_path)
 
 
@@ -360,7 +360,7 @@ def tp2_pp2_load_memory(path: str) -> dict[str, Any]:
     from safetensors import safe_open
 
     from lightning_3d.checkpoint.safetensors_format import weight_files
-    from lightning_3d.models.adapters.llama import LLAMA, llama_sequence
+    from lightning_3d.models.adapters.hf_generic import HF_GENERIC
     from lightning_3d.pipeline.runtime import PipelineConfig, pipeline_model
     from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan
     from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
@@ -375,8 +375,8 @@ def tp2_pp2_load_memory(path: str) -> dict[str, Any]:
     _reset_peak_rss()
     before = _rss_bytes()
     model = from_pretrained(path)
-    apply_plan(model, LLAMA.tp_plan(model), PlanContext(topology.tp_group, False, tracker))
-    pipeline_model(model, llama_sequence(model), topology, PipelineConfig())
+    apply_plan(model, HF_GENERIC.tp_plan(model), PlanContext(topology.tp_group, False, tracker))
+    pipeline_model(model, HF_GENERIC.layer_sequence(model), topology, PipelineConfig())
     report = load_pretrained_(model, torch.device("cpu"))
     growth = _peak_rss_bytes() - before
     local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -233,6 +233,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.input_is_prepared, self.num_blocks = input_is_prepared, num_blocks
+        self.shared_entry: Any = None  # set by the plan's "share_entry" style on the parent module
         padded_out = padded(out_features, world) if pad_output else None
         if padded_out is None:
             _check_divisible(f"out_features of a column-parallel layer (per block of {num_blocks})", out_features // num_blocks, world)
@@ -264,8 +265,12 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight.shape[1], weight.shape[0], bias=bias is not None, tp_group=tp_group, _dense=module, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
+        prepared = self.input_is_prepared
+        shared = self.shared_entry
+        if shared is not None and not prepared and not self.sequence_parallel:
+            x, prepared = shared.enter(x), True  # one entry for the siblings reading this tensor
         # under sequence parallelism only the sequence shard is kept for backward (gathered again there)
-        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel, self.input_is_prepared)
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel, prepared)
         if self.gather_output:
             y = gather_from_tensor_parallel(y, self.tp_group).narrow(-1, 0, self.valid_out_features)
         return y

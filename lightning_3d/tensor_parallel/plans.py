@@ -17,6 +17,11 @@ to styles. Styles are strings for the common cases or :class:`Style` objects:
 ``"sequence_split"`` split the module's output along the sequence (sequence parallel only)
 ``"sequence_norm"`` mark the module's parameters as computed on a sequence shard (SP only)
 ``"sequence_rng"``  ``"rng"`` only under sequence parallel (dropout on a sequence shard)
+``"row_split_input"`` ``"row"`` for a replicated input: split it here (backward all-gathers)
+``"sum_gradients"`` the module's own parameters are replicated but see partial inputs (e.g. a
+                   per-head norm on this rank's heads): their gradients are summed over tp
+``"share_entry"``  the column-parallel children of this module that read one tensor enter the tp
+                   region once for it (one backward all-reduce), whatever else reads it
 =================  ==========================================================================
 
 This module knows no model: each model family's plan lives in its adapter
@@ -84,8 +89,13 @@ class Column(Style):
         )
 
 
+@dataclass
 class Row(Style):
+    input_is_parallel: bool = True
+
     def apply(self, module: nn.Module, ctx: PlanContext) -> nn.Module:
+        if not self.input_is_parallel:
+            return RowParallelLinear.from_dense(module, tp_group=ctx.tp_group, input_is_parallel=False)
         return RowParallelLinear.from_dense(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
 
 
@@ -160,6 +170,53 @@ class SequenceNorm(Style):
             mark_sequence_parallel(p, ctx.tp_group)
 
 
+class SumGradients(Style):
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        for p in module.parameters(recurse=False):
+            mark_sequence_parallel(p, ctx.tp_group)
+
+
+class SharedEntry:
+    """One entry into the tp region per input tensor, for the column layers of one module's forward.
+
+    Several column-parallel layers reading the same tensor (q/k/v, gate/up) then share one
+    ``copy_to_tensor_parallel``: one backward all-reduce of their summed input gradients instead of
+    one each. Anything else reading the tensor (a replicated router, a residual) reads it as it is,
+    so its gradient is not summed over tp. The table lives only while the module's forward runs (no
+    tensor outlives it through here)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.entered: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def enter(self, x: Tensor) -> Tensor:
+        known = self.entered.get(id(x))
+        if known is not None and known[0] is x:
+            return known[1]
+        entered = copy_to_tensor_parallel(x, self.group)
+        self.entered[id(x)] = (x, entered)
+        return entered
+
+
+class ShareEntry(Style):
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        if ctx.sequence_parallel:
+            return  # under sequence parallelism a module's input is gathered by "prepare_input"
+        scope = SharedEntry(ctx.tp_group)
+
+        def begin(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            scope.entered.clear()
+            for child in mod.children():
+                if isinstance(child, ColumnParallelLinear) and not child.input_is_prepared:
+                    child.shared_entry = scope
+
+        def end(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            scope.entered.clear()
+
+        module.register_forward_pre_hook(begin, with_kwargs=True)
+        module.register_forward_hook(end, with_kwargs=True)
+
+
 @dataclass
 class DivideAttributes(Style):
     """Per-rank head counts and split sizes for code that reads them (e.g. HF GPT-2 attention)."""
@@ -186,6 +243,9 @@ NAMED_STYLES: dict[str, Style] = {
     "sequence_split": SequenceSplit(),
     "sequence_norm": SequenceNorm(),
     "sequence_rng": RNGRegion(only_with_sequence_parallel=True),
+    "row_split_input": Row(input_is_parallel=False),
+    "sum_gradients": SumGradients(),
+    "share_entry": ShareEntry(),
 }
 
 StyleSpec = Union[str, Style, Iterable[Union[str, Style]]]

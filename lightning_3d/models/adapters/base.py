@@ -57,10 +57,19 @@ class ModelAdapter:
 
     name: str = ""
     hf_model_types: tuple[str, ...] = ()
+    fallback: bool = False  # consulted only when no other adapter matches (the generic HF adapter)
 
     def matches(self, module: nn.Module) -> bool:
         """Whether ``module`` is a model of this family (the whole model, not one of its layers)."""
         raise NotImplementedError
+
+    def builds_hf_model_type(self, model_type: str) -> bool:
+        """Whether this adapter builds and loads Hugging Face models of ``config.model_type``."""
+        return model_type in self.hf_model_types
+
+    def pipeline_refusal(self, model: nn.Module) -> Optional[str]:
+        """Why ``model`` cannot be pipelined (a sentence naming what is missing), or None."""
+        return None
 
     def tp_plan(self, model: nn.Module) -> TensorParallelPlan:
         """The Megatron-style tensor-parallel plan for ``model``."""

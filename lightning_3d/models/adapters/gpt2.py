@@ -5,7 +5,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from lightning_3d.layout_rules import ModelDims
-from lightning_3d.models.adapters.hf_common import HFAdapter, _first, _hf_finalize, _hf_mask, _hf_positions, hf_layer_sequence
+from lightning_3d.models.adapters.hf_common import HFAdapter, _hf_mask, _hf_positions, hf_layer_sequence
+from lightning_3d.models.adapters.hf_plans import vocab_parallel_loss
+from lightning_3d.models.adapters.hf_sequence import first_output
 from lightning_3d.models.adapters.registry import register_adapter
 from lightning_3d.pipeline.sequences import Inputs, LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
@@ -20,7 +22,7 @@ def gpt2_sequence(model: nn.Module) -> LayerSequence:
         return inner.drop(embeds + inner.wpe(_hf_positions(batch, embeds)))
 
     def block(layer: nn.Module, x: Tensor, batch: Inputs) -> Tensor:
-        return _first(layer(x, None, _hf_mask(model, batch, x), position_ids=_hf_positions(batch, x)))
+        return first_output(layer(x, None, _hf_mask(model, batch, x), position_ids=_hf_positions(batch, x)))
 
     return hf_layer_sequence(
         model,
@@ -55,7 +57,7 @@ class GPT2Adapter(HFAdapter):
                 "lm_head": "vocab_head",
             },
             check=self.check_tensor_parallel,
-            finalize=_hf_finalize(model.config.vocab_size),
+            finalize=vocab_parallel_loss(model.config.vocab_size),
             supports_sequence_parallel=False,
         )
 

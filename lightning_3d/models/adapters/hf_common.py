@@ -14,57 +14,18 @@ from torch import Tensor, nn
 
 from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
+from lightning_3d.models.adapters.hf_sequence import _with_loss, first_output, hf_inputs, hf_loss_inputs, hf_output, hf_target_count
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
-from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss
-from lightning_3d.tensor_parallel.plans import PlanContext, gather_logits_hook
 
 
-# -- pipeline pieces (LayerSequence callables) -----------------------------------------------------------------
-def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
-    return args[index] if len(args) > index else kwargs.get(name)
-
-
-def _hf_inputs(args: tuple, kwargs: dict) -> Inputs:
-    """``input_ids``, ``labels`` (-100 ignored), ``attention_mask`` (1 = token, 0 = padding) and
-    ``position_ids``: what supervised fine-tuning batches carry. Each is split along the batch with
-    the micro-batches, and each piece rebuilds the mask and positions of its micro-batch exactly as
-    the Hugging Face model's own forward does, so padding gives the one-process result."""
-    known = {"input_ids", "labels", "attention_mask", "position_ids", "use_cache"}
-    unsupported = {k for k, v in kwargs.items() if v is not None} - known
-    if unsupported:
-        raise NotImplementedError(
-            f"pipelined Hugging Face models take {sorted(known - {'use_cache'})}; got {sorted(unsupported)}. "
-            f"Compute other inputs inside the model, or use pipeline_parallel=1."
-        )
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() != 2:
-        raise ValueError(
-            f"pipelined Hugging Face models take a 2-D attention_mask [batch, sequence] (1 = token, 0 = padding); "
-            f"got shape {tuple(mask.shape)}. Pass the tokenizer's padding mask, not a 4-D attention bias."
-        )
-    return {
-        "input_ids": _arg(args, kwargs, 0, "input_ids"),
-        "labels": kwargs.get("labels"),
-        "attention_mask": mask,
-        "position_ids": kwargs.get("position_ids"),
-    }
-
-
-def _hf_labels(args: tuple, kwargs: dict) -> Inputs:
-    """The labels, whatever else an unpipelined HF forward is given (for the dp loss weighting)."""
-    return {"labels": kwargs.get("labels")}
-
-
+# -- pipeline pieces of families with a sequence of their own (GPT-2) -------------------------------------------
 def _hf_positions(batch: Inputs, hidden: Tensor) -> Tensor:
     """The micro-batch's ``position_ids`` if the batch has them, else ``0..T-1`` (as HF's forward)."""
     if "_positions" not in batch:
         given = batch.get("position_ids")
         batch["_positions"] = given if given is not None else torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     return batch["_positions"]
-
-
-SLIDING = "sliding_attention"  # HF's layer_type of a sliding-window attention layer (Qwen2, Mistral)
 
 
 def _hf_mask(model: nn.Module, batch: Inputs, hidden: Tensor, builder: str = "create_causal_mask") -> Any:
@@ -84,17 +45,6 @@ def _hf_mask(model: nn.Module, batch: Inputs, hidden: Tensor, builder: str = "cr
     return batch[key]
 
 
-def _layer_mask(model: nn.Module, layer: nn.Module, batch: Inputs, hidden: Tensor) -> Any:
-    """The mask of one decoder layer: sliding-window layers get the sliding causal mask."""
-    sliding = getattr(getattr(layer, "self_attn", None), "layer_type", None) == SLIDING
-    return _hf_mask(model, batch, hidden, "create_sliding_window_causal_mask" if sliding else "create_causal_mask")
-
-
-def _hf_count(batch: Inputs) -> int:
-    labels = batch["labels"]
-    return int((labels[..., 1:] != -100).sum()) if labels is not None else 0
-
-
 def _hf_head(model: nn.Module, norm: nn.Module) -> Callable[[Tensor, Inputs], HeadOutput]:
     def head(x: Tensor, batch: Inputs) -> HeadOutput:
         logits = model.lm_head(norm(x))
@@ -103,25 +53,6 @@ def _hf_head(model: nn.Module, norm: nn.Module) -> Callable[[Tensor, Inputs], He
         return HeadOutput(loss=model.loss_function(logits=logits, labels=batch["labels"], vocab_size=model.config.vocab_size))
 
     return head
-
-
-def _hf_output(loss: Optional[Tensor], logits: Optional[Tensor]) -> Any:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-
-def _hf_loss_of(out: Any) -> Optional[Tensor]:
-    return getattr(out, "loss", None)
-
-
-def _hf_with_loss(out: Any, loss: Tensor) -> Any:
-    out.loss = loss
-    return out
-
-
-def _first(out: Any) -> Tensor:
-    return out[0] if isinstance(out, tuple) else out
 
 
 # -- tensor parallel -------------------------------------------------------------------------------------------
@@ -143,61 +74,62 @@ def hf_layer_sequence(
         blocks_name=blocks_name,
         embed_modules=embed_modules,
         head_modules=head_modules,
-        inputs=_hf_inputs,
+        inputs=hf_inputs,
         embed=embed,
         block=block,
         head=_hf_head(model, norm),
-        target_count=_hf_count,
-        output=_hf_output,
-        loss_of=_hf_loss_of,
-        with_loss=_hf_with_loss,
-        loss_inputs=_hf_labels,
+        target_count=hf_target_count,
+        output=hf_output,
+        loss_of=lambda out: getattr(out, "loss", None),
+        with_loss=_with_loss,
+        loss_inputs=hf_loss_inputs,
     )
 
 
-def _hf_finalize(vocab_size: int) -> Callable[[nn.Module, PlanContext], None]:
-    """After the plan: the loss becomes vocab-parallel (``model.loss_function``, what HF's forward
-    calls) and logits returned without labels are gathered to the full vocabulary."""
-
-    def finalize(m: nn.Module, ctx: PlanContext) -> None:
-        m.loss_function = CausalLMLoss(ctx.tp_group, vocab_size)
-        m.register_forward_hook(gather_logits_hook(vocab_size, ctx))
-
-    return finalize
-
-
 # -- shapes --------------------------------------------------------------------------------------------------
-LLAMA_LABELS = dict(
+CONFIG_LABELS = dict(
     n_layer="num_hidden_layers", hidden="hidden_size", n_head="num_attention_heads",
     n_kv_head="num_key_value_heads", ffn="intermediate_size",
 )
 
 
-def llama_like_dims(c: Any) -> ModelDims:
-    """Llama-shaped configs (Llama, Qwen2, Mistral, ...): the sizes tensor and pipeline parallelism split."""
+def _config_int(c: Any, *names: str, default: Optional[int] = None) -> int:
+    for name in names:
+        value = getattr(c, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    if default is None:
+        raise ValueError(f"{type(c).__name__} has none of {names}: lightning_3d cannot read the model's sizes.")
+    return default
+
+
+def config_dims(c: Any) -> ModelDims:
+    """The sizes tensor and pipeline parallelism split, from a transformers config's standard fields
+    (``attribute_map`` gives GPT-2- and NeoX-style configs the same names)."""
+    hidden = _config_int(c, "hidden_size")
+    heads = _config_int(c, "num_attention_heads")
     return ModelDims(
-        c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
-        c.intermediate_size, labels=dict(LLAMA_LABELS),
+        _config_int(c, "num_hidden_layers"), hidden, heads, _config_int(c, "num_key_value_heads", default=heads),
+        _config_int(c, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden), labels=dict(CONFIG_LABELS),
     )
 
 
-def llama_like_shape(c: Any, seq_len: int) -> ModelShape:
-    """The planner's description of a Llama-shaped config: SwiGLU (three ffn matrices), RMSNorm,
-    rotary positions (no position table), no biases."""
+def config_shape(model: nn.Module, seq_len: int) -> ModelShape:
+    """The planner's description of a transformers decoder: sizes from its config, the MLP's kind,
+    the norm and the position table from its modules (GPT-2-style biases only where the MLP has them)."""
+    c = model.config
+    dims = config_dims(c)
+    names = [name for name, _ in model.named_modules()]
+    classes = {type(m).__name__ for m in model.modules()}
+    gated = any(n.endswith(("gate_proj", "gate_up_proj", "w1")) for n in names)
+    mlp_bias = any(getattr(m, "bias", None) is not None for n, m in model.named_modules() if ".mlp." in n and isinstance(m, nn.Linear))
     return ModelShape(
-        n_layer=c.num_hidden_layers,
-        hidden=c.hidden_size,
-        n_head=c.num_attention_heads,
-        n_kv_head=c.num_key_value_heads or c.num_attention_heads,
-        ffn=c.intermediate_size,
-        vocab=c.vocab_size,
-        seq_len=seq_len,
-        gated_mlp=True,
-        tied_embeddings=bool(c.tie_word_embeddings),
-        learned_positions=False,
-        bias=False,
-        dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0,
-        rms_norm=True,
+        n_layer=dims.n_layer, hidden=dims.hidden, n_head=dims.n_head, n_kv_head=dims.n_kv_head, ffn=dims.ffn,
+        vocab=_config_int(c, "vocab_size"), seq_len=seq_len, gated_mlp=gated,
+        tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        learned_positions=any(n.endswith(("wpe", "embed_positions")) for n in names), bias=mlp_bias,
+        dropout=max(float(getattr(c, k, 0.0) or 0.0) for k in ("attention_dropout", "hidden_dropout", "resid_pdrop")) > 0,
+        rms_norm=any("RMSNorm" in k for k in classes),
     )
 
 
@@ -229,9 +161,9 @@ class HFAdapter(ModelAdapter):
         (``tie_word_embeddings``: ``from_pretrained`` re-ties it)."""
         import transformers
 
-        config = hf_config(model_config, self.hf_model_types[0])
-        if config.model_type not in self.hf_model_types:
-            raise ValueError(f"the {self.name!r} adapter exports model_type {self.hf_model_types}, not {config.model_type!r}.")
+        config = hf_config(model_config, self.hf_model_types[0] if self.hf_model_types else "")
+        if not self.builds_hf_model_type(config.model_type):
+            raise ValueError(f"the {self.name!r} adapter does not export model_type {config.model_type!r}.")
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
         skip: set[str] = set()

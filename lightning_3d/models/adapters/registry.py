@@ -16,7 +16,7 @@ from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.base import ModelAdapter
 from lightning_3d.pipeline.sequences import LayerSequence
 
-BUILTIN = ("gpt", "llama", "gpt2", "qwen2")  # modules of this package, each registering its adapter
+BUILTIN = ("gpt", "gpt2", "gemma", "hf_generic")  # modules of this package, each registering its adapter
 
 _adapters: list[ModelAdapter] = []
 _builtins_loaded = False
@@ -35,13 +35,14 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
 
 
 def adapters() -> list[ModelAdapter]:
-    """Every registered adapter (the built-in ones are imported, and so registered, on first use)."""
+    """Every registered adapter (the built-in ones are imported, and so registered, on first use),
+    fallbacks last: an adapter the user registers wins over the generic one for its models."""
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
         for name in BUILTIN:
             importlib.import_module(f"{__package__}.{name}")
-    return list(_adapters)
+    return [a for a in _adapters if not a.fallback] + [a for a in _adapters if a.fallback]
 
 
 def known_names() -> str:
@@ -70,12 +71,12 @@ def adapter_for_hf_config(config: Any) -> ModelAdapter:
     ``PretrainedConfig`` or its dict)."""
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     for adapter in adapters():
-        if model_type in adapter.hf_model_types:
+        if adapter.builds_hf_model_type(str(model_type)):
             return adapter
-    known = sorted(t for a in adapters() for t in a.hf_model_types)
     raise ValueError(
-        f"no model adapter for the Hugging Face model_type={model_type!r}; known model types: {', '.join(known)} "
-        f"(adapters: {known_names()}). A new family is one module under lightning_3d/models/adapters/."
+        f"no model adapter for the Hugging Face model_type={model_type!r}: it is not a causal language model "
+        f"transformers knows (adapters: {known_names()}). Register an adapter from your own code "
+        f"(lightning_3d.models.adapters.register_adapter(MyAdapter()), a ModelAdapter subclass: docs/huggingface.md)."
     )
 
 

@@ -1,0 +1,112 @@
+"""transformers' own tensor-parallel plans, translated onto our Megatron-style layers.
+
+Most decoder configs in transformers 5 carry ``base_model_tp_plan``: module patterns relative to
+the base model, each with one of transformers' style names. They say what DTensor does to each
+module; here each becomes one of our styles (:mod:`lightning_3d.tensor_parallel.plans`):
+
+==================================  ===================================================================
+transformers                        lightning_3d
+==================================  ===================================================================
+``colwise``                         column-parallel; siblings reading one tensor share one entry
+``rowwise``                         row-parallel (input already split, output all-reduced)
+``colwise_gather_output``           column-parallel, output all-gathered (a norm over all heads follows)
+``rowwise_split_input``             row-parallel of a replicated input (split here)
+``packed_colwise``                  column-parallel in two blocks (fused gate/up)
+``replicated_with_grad_allreduce``  replicated, gradients summed over tp (per-head norms on local heads)
+``embedding_rowwise``               vocabulary-parallel embedding
+==================================  ===================================================================
+
+Beyond the plan, the input embedding (an ``nn.Embedding``) becomes vocabulary-parallel and the
+output embedding (an ``nn.Linear``) a vocabulary-parallel head whose loss stays split
+(``CausalLMLoss``), as Megatron does; an embedding of another class (Gemma's scaled one) keeps
+its own code and stays replicated unless its family module says how to split it. Styles for
+mixtures of experts and anything else are refused by name before anything is sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from lightning_3d.tensor_parallel.plans import Column, PlanContext, Row, StyleSpec
+from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss
+from lightning_3d.tensor_parallel.plans import gather_logits_hook
+
+HF_STYLES: dict[str, StyleSpec] = {
+    "colwise": "column",
+    "rowwise": "row",
+    "colwise_gather_output": Column(gather_output=True),
+    "rowwise_split_input": Row(input_is_parallel=False),
+    "packed_colwise": Column(num_blocks=2),
+    "replicated_with_grad_allreduce": "sum_gradients",
+    "embedding_rowwise": "vocab",
+}
+# styles whose module is a column-parallel layer that splits heads: its parent module gets one
+# shared entry and a per-rank random stream (attention dropout on this rank's heads)
+SPLITS_HEADS = ("colwise", "packed_colwise")
+
+
+class PlanRefused(ValueError):
+    """transformers' plan says something our layers cannot do (named in the message)."""
+
+
+def _parent(pattern: str) -> str:
+    return pattern.rpartition(".")[0]
+
+
+def translate_tp_plan(
+    model: nn.Module, plan: Optional[dict[str, str]], embedding_style: Optional[StyleSpec] = None
+) -> tuple[dict[str, StyleSpec], bool]:
+    """Our styles for ``model`` from transformers' plan (``model.tp_plan``: patterns from the causal
+    LM, the base model's prefixed); returns ``(styles, vocab_parallel_head)``. ``embedding_style``
+    overrides the input embedding's (a family whose embedding is not a plain ``nn.Embedding``);
+    raises :class:`PlanRefused` naming what is missing."""
+    family = type(model).__name__
+    names = {module: name for name, module in model.named_modules()}
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embed_name, head_name = names.get(embedding), names.get(head)
+    layer_styles = {k: v for k, v in (plan or {}).items() if k not in (embed_name, head_name)}
+    if not layer_styles:
+        raise PlanRefused(
+            f"{family} has no tensor-parallel plan (transformers' config for model_type="
+            f"{getattr(getattr(model, 'config', None), 'model_type', '?')!r} carries no base_model_tp_plan), so "
+            f"lightning_3d does not know how to split its layers. Give it one from your own code: set "
+            f"model.config.base_model_tp_plan = {{'layers.*.self_attn.q_proj': 'colwise', ...}} before the Trainer "
+            f"sets it up, pass ThreeDParallelStrategy(tensor_parallel_plan={{module pattern: style}}), or register an "
+            f"adapter (lightning_3d.models.adapters.register_adapter; docs/huggingface.md). Or use tensor_parallel=1: "
+            f"data parallel and ZeRO 1-3 need no plan."
+        )
+    styles: dict[str, Any] = {}
+    for pattern, style in layer_styles.items():
+        if style not in HF_STYLES:
+            raise PlanRefused(
+                f"{family}: transformers' tensor-parallel plan gives {pattern} the style {style!r}, which lightning_3d "
+                f"does not map (it maps {', '.join(HF_STYLES)}; mixtures of experts come with expert parallelism); "
+                f"use tensor_parallel=1, or pass your own tensor_parallel_plan."
+            )
+        styles[pattern] = HF_STYLES[style]
+        if style in SPLITS_HEADS:
+            styles.setdefault(_parent(pattern), ["share_entry", "rng"])
+    if embed_name:
+        if embedding_style is not None:
+            styles[embed_name] = embedding_style
+        elif type(embedding) is nn.Embedding:
+            styles[embed_name] = "vocab"
+    tied = embedding is not None and head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", 0)
+    vocab_head = bool(head_name) and type(head) is nn.Linear and (not tied or embed_name in styles)
+    if vocab_head:
+        styles[head_name] = "vocab_head"
+    return styles, vocab_head
+
+
+def vocab_parallel_loss(vocab_size: int) -> Callable[[nn.Module, PlanContext], None]:
+    """A plan's ``finalize`` for a vocabulary-parallel head: the model's ``loss_function`` (what HF's
+    forward calls) becomes vocab-parallel, and logits returned without labels are gathered."""
+
+    def finalize(m: nn.Module, ctx: PlanContext) -> None:
+        m.loss_function = CausalLMLoss(ctx.tp_group, vocab_size)
+        m.register_forward_hook(gather_logits_hook(vocab_size, ctx))
+
+    return finalize
