@@ -25,6 +25,7 @@ read from the file too.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -183,6 +184,28 @@ def _candidates(name: str, tied: list[str], base_prefix: str) -> list[str]:
     return out
 
 
+def _key_renames(model: nn.Module) -> list[tuple[str, str]]:
+    """(pattern, replacement) pairs of the plain key renamings transformers applies when it loads a
+    checkpoint of ``model``'s class (``conversion_mapping``); conversions that merge tensors are not
+    renamings and are left out (their keys are then reported missing, by name)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return []
+    pairs = []
+    for transform in get_model_conversion_mapping(model, add_legacy=False):
+        sources, targets = getattr(transform, "source_patterns", ()), getattr(transform, "target_patterns", ())
+        if type(transform).__name__ == "WeightRenaming" and len(sources) == len(targets) == 1 and not getattr(transform, "scope_prefix", None):
+            pairs.append((sources[0], targets[0]))
+    return pairs
+
+
+def _renamed(key: str, renames: list[tuple[str, str]]) -> str:
+    for pattern, replacement in renames:
+        key = re.sub(pattern, replacement, key)
+    return key
+
+
 def _resolve(model: nn.Module, directory: Path, files: Mapping[str, Path]) -> PretrainedSource:
     """Match every parameter and persistent buffer of the (dense, meta) model to a checkpoint key, and
     check the shapes: one error naming everything missing or mismatched."""
@@ -198,11 +221,15 @@ def _resolve(model: nn.Module, directory: Path, files: Mapping[str, Path]) -> Pr
     tied = _tied_names(model)
     base_prefix = getattr(model, "base_model_prefix", "") or ""
     tensors = [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]
+    renames = _key_renames(model)
+    renamed = {new: old for old in shapes if (new := _renamed(old, renames)) != old}
     keys: dict[str, str] = {}
     missing: list[str] = []
     mismatched: list[str] = []
     for name, t in tensors:
         key = next((k for k in _candidates(name, tied.get(name, []), base_prefix) if k in shapes), None)
+        if key is None:  # a key transformers renames when it loads (GPT-NeoX's embed_out -> lm_head)
+            key = next((renamed[k] for k in _candidates(name, tied.get(name, []), base_prefix) if k in renamed), None)
         if key is None:
             missing.append(name)
             continue

@@ -1,6 +1,6 @@
 """Tiny configs of the Hugging Face causal-LM families the suite trains (issue 31's acceptance).
 
-Each is 2 layers, hidden 32, 4 heads (2 key/value heads where the family has GQA), vocabulary 128,
+Each is 4 layers (a V of two pipeline stages has four pieces), hidden 32, 4 heads (2 key/value heads where the family has GQA), vocabulary 128,
 with the family's peculiarities switched on where they exist: sliding windows shorter than the
 test sequence, Gemma's soft-capping and scaled embedding, Granite's multipliers, Qwen3 / Gemma 3's
 per-head q/k norms, Phi-3's fused q/k/v, OLMo 2's norms over all heads, GPT-NeoX's fused
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 VOCAB = 128
-GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64)
 
 
@@ -32,11 +32,11 @@ def hf_family_config(kind: str) -> Any:
         "phi3": lambda: t.Phi3Config(**GQA, pad_token_id=0, tie_word_embeddings=False),
         "olmo2": lambda: t.Olmo2Config(**GQA, pad_token_id=0, tie_word_embeddings=False),
         "granite": lambda: t.GraniteConfig(**GQA, embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
-        "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-        "gpt_neox": lambda: t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "gpt_neox": lambda: t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                                             max_position_embeddings=64, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False),
         "starcoder2": lambda: t.Starcoder2Config(**GQA, sliding_window=8, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0),
-        "opt": lambda: t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        "opt": lambda: t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
                                    max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, pad_token_id=1),
     }
     return configs[kind]()

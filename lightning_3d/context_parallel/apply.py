@@ -59,16 +59,29 @@ class ContextParallel:
         """True positions of the ``t`` local tokens (this rank's two chunks of a ``t * size`` sequence)."""
         return local_positions(t * self.size, self.rank, self.size, device)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
-        """Causal attention of the local queries over the whole sequence's keys (``AttentionCore.attend``)."""
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, *,
+        scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+    ) -> Tensor:
+        """Causal attention of the local queries over the whole sequence's keys (``AttentionCore.attend``,
+        the HF attention function). ``window``: a sliding window shorter than the sequence;
+        ``softcap``: soft-capped scores. Both only ``"all_to_all"`` computes (each rank holds whole
+        sequences of its heads there); the ring refuses them by name."""
         if dropout_p:
             raise ValueError(
                 f"context-parallel attention has no dropout (got dropout_p={dropout_p}); set the model's attention "
                 f"dropout to 0 or use context_parallel=1."
             )
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.group)
-        return all_to_all_attention(q, k, v, self.group)
+            if window is not None or softcap is not None:
+                what = f"a sliding window of {window} tokens" if window is not None else f"soft-capped scores (softcap={softcap})"
+                raise ValueError(
+                    f"context_parallel_mode='ring' cannot compute attention with {what}: its blocks are causal or full. "
+                    f"Use context_parallel_mode='all_to_all' (each rank attends over whole sequences of its heads), or "
+                    f"context_parallel=1."
+                )
+            return ring_attention(q, k, v, self.group, scale)
+        return all_to_all_attention(q, k, v, self.group, scale, window=window, softcap=softcap)
 
     def check_length(self, length: int) -> None:
         """Refuse, naming the values, a sequence the layout cannot cut (before anything runs on it)."""
@@ -131,6 +144,8 @@ def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if sequence.before_split is not None:  # what must be computed on whole sequences (labels' shift, positions)
+            args, kwargs = sequence.before_split(args, dict(kwargs))
         length = _sequence_length(args, kwargs)
         if length is None:
             return original(*args, **kwargs)
@@ -150,6 +165,9 @@ def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel)
             return sequence.with_loss(out, _combined_eval_loss(loss, count, cp))
         if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[1] == length // cp.size:
             return cp.gather(out)
+        logits = getattr(out, "logits", None)  # a Hugging Face output without labels
+        if isinstance(logits, Tensor) and logits.dim() >= 2 and logits.shape[1] == length // cp.size:
+            out.logits = cp.gather(logits)
         return out
 
     model.forward = forward  # type: ignore[method-assign]

@@ -81,12 +81,42 @@ def kv_replication(heads: int, kv_heads: int, cp: int) -> int:
     return (kv_heads * cp // math.gcd(kv_heads, cp)) // kv_heads
 
 
-def all_to_all_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None) -> Tensor:
+def windowed_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], window: Optional[int] = None, softcap: Optional[float] = None
+) -> Tensor:
+    """Causal attention over whole sequences (natural order), optionally within a sliding ``window``
+    (query ``i`` sees keys ``j`` with ``i - window < j <= i``, as transformers' sliding layers) and
+    with soft-capped scores (``softcap * tanh(s / softcap)``, Gemma 2). Soft-capping runs as explicit
+    math in fp32 (SDPA has no soft cap); otherwise SDPA with the mask."""
+    gqa = k.shape[1] != q.shape[1]
+    if window is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    t = q.shape[2]
+    pos = torch.arange(t, device=q.device)
+    allowed = pos.unsqueeze(1) >= pos.unsqueeze(0)
+    if window is not None:
+        allowed &= pos.unsqueeze(0) > pos.unsqueeze(1) - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def all_to_all_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None, *,
+    window: Optional[int] = None, softcap: Optional[float] = None,
+) -> Tensor:
     """Causal attention over the full sequence by two all-to-alls over the cp ``group``.
 
     Same contract as :func:`~lightning_3d.context_parallel.ring.ring_attention`: local
     load-balanced q (B, heads, T_local, head_dim), k/v (B, kv_heads, T_local, head_dim); returns the
     local output. Requires ``heads % cp == 0``; kv heads are replicated when cp does not divide them.
+    Each rank holds whole sequences of its heads, so a sliding ``window`` and a ``softcap`` of the
+    scores apply as in one process (:func:`windowed_causal_attention`).
     """
     check_shapes(q, k, v)
     cp = dist.get_world_size(group)
@@ -94,9 +124,9 @@ def all_to_all_attention(q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Opt
         raise ValueError(f"local sequence length {q.shape[2]} is odd: the load-balanced layout holds two equal chunks per cp rank.")
     repeat = kv_replication(q.shape[1], k.shape[1], cp)
     if cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return windowed_causal_attention(q, k, v, scale, window, softcap)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     qh, kh, vh = (_Reshard.apply(x, group, True) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    out = windowed_causal_attention(qh, kh, vh, scale, window, softcap)
     return _Reshard.apply(out, group, False)

@@ -43,6 +43,9 @@ class LayerSequence:
         loss_inputs: ``forward``'s ``(args, kwargs)`` -> what ``target_count`` needs, read without
             ``inputs``' rules (at ``pipeline_parallel=1`` the model takes any argument of its own;
             only the data-parallel loss weighting reads it). ``None``: ``inputs``.
+        before_split: ``forward``'s ``(args, kwargs)`` -> the same, with what needs the whole
+            sequence made explicit before context parallelism cuts it (labels shifted by one,
+            positions); ``None``: nothing to do (the model reads true positions from its seams).
     """
 
     blocks: nn.ModuleList
@@ -58,6 +61,7 @@ class LayerSequence:
     loss_of: Callable[[Any], Optional[Tensor]] = field(default=lambda out: _tensor_loss_of(out))
     with_loss: Callable[[Any, Tensor], Any] = field(default=lambda out, loss: loss)
     loss_inputs: Optional[Callable[[tuple, dict], Inputs]] = None
+    before_split: Optional[Callable[[tuple, dict], tuple[tuple, dict]]] = None
 
 
 def _tensor_loss_of(out: Any) -> Optional[Tensor]:

@@ -7,16 +7,20 @@ the plans' finalize step, shapes of Llama-like configs, and the identity export.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
+from lightning_3d.models.adapters.hf_context_parallel import before_split, wire_context_parallel
 from lightning_3d.models.adapters.hf_sequence import _with_loss, first_output, hf_inputs, hf_loss_inputs, hf_output, hf_target_count
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.planner.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from lightning_3d.context_parallel.apply import ContextParallel
 
 
 # -- pipeline pieces of families with a sequence of their own (GPT-2) -------------------------------------------
@@ -83,6 +87,7 @@ def hf_layer_sequence(
         loss_of=lambda out: getattr(out, "loss", None),
         with_loss=_with_loss,
         loss_inputs=hf_loss_inputs,
+        before_split=before_split,
     )
 
 
@@ -154,6 +159,11 @@ class HFAdapter(ModelAdapter):
         return any(
             c.__name__ == self.class_name and c.__module__.startswith("transformers.") for c in type(module).__mro__
         )
+
+    def context_parallel(self, model: nn.Module, cp: Optional["ContextParallel"]) -> None:
+        """transformers' attention interface and whole-sequence labels and positions
+        (:mod:`~lightning_3d.models.adapters.hf_context_parallel`)."""
+        wire_context_parallel(model, cp)
 
     def hf_export(self, model_config: Any) -> tuple[Any, list[ExportTensor]]:
         """The model's own state-dict keys (listed from a model built on the meta device), each from

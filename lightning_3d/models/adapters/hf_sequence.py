@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.models.adapters.hf_context_parallel import before_split
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 
 # what a pipelined HF model takes: each is split along the batch with the micro-batches
@@ -238,6 +239,7 @@ class HFSequence:
             loss_of=_loss_of,
             with_loss=_with_loss,
             loss_inputs=hf_loss_inputs,
+            before_split=before_split,
         )
 
 

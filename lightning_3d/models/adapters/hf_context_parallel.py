@@ -1,0 +1,114 @@
+"""Context parallelism for Hugging Face causal LMs, through transformers' own attention interface.
+
+Three things differ from one process when each cp rank holds only its chunks of every sequence,
+and each is handled where the model would otherwise see the cut:
+
+* **the label shift**: HF's loss shifts labels by one inside the model, which at every chunk edge
+  would pair a token with a target from another rank. Before the split the labels are shifted on
+  the whole sequence and passed as ``shift_labels`` (HF's loss and our vocabulary-parallel one take
+  them as they are); ``labels`` still travels so the model computes its loss.
+* **positions**: ``position_ids`` are made explicit (``0..T-1``) before the split, so each rank's
+  rotary tables (or GPT-2's learned positions) are the true ones of its tokens.
+* **attention**: an attention function registered with transformers (``AttentionInterface``) under
+  :data:`ATTENTION` attends each local query over the whole sequence through the cp group (ring or
+  all-to-all, :class:`~lightning_3d.context_parallel.apply.ContextParallel`), with the module's own
+  ``scaling``, sliding window and soft cap. transformers builds no mask for a custom
+  implementation; causality is the kernels', so a padding mask is refused (one host read, only when
+  a mask is passed).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_3d.context_parallel.apply import ContextParallel
+
+ATTENTION = "lightning_3d_context_parallel"
+CP_ATTR = "_lightning_3d_context_parallel"
+SAVED_ATTR = "_lightning_3d_attn_implementation"
+
+
+def context_parallel_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], dropout: float = 0.0,
+    scaling: Optional[float] = None, sliding_window: Optional[int] = None, softcap: Optional[float] = None, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: q (B, heads, T_local, d), k/v (B, kv_heads,
+    T_local, d) -> (output (B, T_local, heads, d), no weights)."""
+    cp: Optional[ContextParallel] = getattr(module, CP_ATTR, None)
+    if cp is None:
+        raise RuntimeError(
+            f"{type(module).__name__} calls lightning_3d's context-parallel attention outside a context-parallel set-up; "
+            f"set the model's attn_implementation back (e.g. 'sdpa')."
+        )
+    total = query.shape[2] * cp.size
+    window = sliding_window if sliding_window is not None and sliding_window < total else None
+    out = cp.attention(query, key, value, dropout, scale=scaling, window=window, softcap=softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def before_split(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Whole-sequence inputs made explicit before the cut (see the module docstring)."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        return args, kwargs
+    batch, length = ids.shape
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if not bool(mask.bool().all()):
+            raise ValueError(
+                "context parallelism takes no padding mask (attention is causal over whole sequences on every rank): "
+                "pack sequences to full length, or use context_parallel=1 for padded batches."
+            )
+        kwargs["attention_mask"] = None
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = torch.arange(length, device=ids.device).unsqueeze(0).expand(batch, length)
+    labels = kwargs.get("labels")
+    if labels is not None and kwargs.get("shift_labels") is None:
+        kwargs["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return args, kwargs
+
+
+def _refusals(model: nn.Module, cp: "ContextParallel") -> list[str]:
+    config = model.config
+    out = []
+    for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
+        rate = float(getattr(config, name, 0.0) or 0.0)
+        if rate > 0:
+            out.append(f"{name}={rate} applies dropout to attention probabilities, which context-parallel attention has not")
+    if getattr(config, "use_bidirectional_attention", False):
+        out.append("use_bidirectional_attention=True: context-parallel attention is causal")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and cp.mode == "ring":
+        out.append(
+            f"attn_logit_softcapping={softcap} soft-caps attention scores, which the ring cannot (its blocks merge raw "
+            f"scores); context_parallel_mode='all_to_all' computes it"
+        )
+    return out
+
+
+def wire_context_parallel(model: nn.Module, cp: Optional["ContextParallel"]) -> None:
+    """Point ``model``'s attention at the cp group (``cp=None``: its own implementation again)."""
+    if cp is None:
+        if hasattr(model, SAVED_ATTR):
+            model.config._attn_implementation = getattr(model, SAVED_ATTR)
+            delattr(model, SAVED_ATTR)
+            for module in model.modules():
+                if hasattr(module, CP_ATTR):
+                    delattr(module, CP_ATTR)
+        return
+    reasons = _refusals(model, cp)
+    if reasons:
+        raise ValueError(f"context_parallel={cp.size}: {type(model).__name__} has " + "; ".join(reasons) + ". Or use context_parallel=1.")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, context_parallel_attention)
+    if not hasattr(model, SAVED_ATTR):
+        setattr(model, SAVED_ATTR, model.config._attn_implementation)
+    model.config._attn_implementation = ATTENTION
+    for module in model.modules():
+        setattr(module, CP_ATTR, cp)
