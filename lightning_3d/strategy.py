@@ -57,6 +57,7 @@ from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSub
 from lightning_3d.parallelize import parallelize
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
+from lightning_3d.replica_guard import ReplicaGuard, parse_every
 from lightning_3d.tensor_parallel.plans import TensorParallelPlan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker, agree_on_random_state, seed_tracker
 from lightning_3d.topology import Degree, ParallelDims, Topology, use_topology
@@ -118,6 +119,10 @@ class ThreeDParallelStrategy(ParallelStrategy):
             checkpoint, at the end of training, or before a load.
         keep_last_k: keep only the newest k complete checkpoints in a checkpoint directory.
         health_check: a heartbeat watchdog that ends the job, naming the rank, when a peer dies or freezes.
+        replica_check_every: compare the copies of replicated parameters (tp-replicated norms and biases,
+            tied embeddings across stages, dp replicas) every N optimizer steps and at each checkpoint, and
+            stop naming them when they differ; ``"auto"`` spaces checks to cost under 1% of training,
+            ``None`` turns it off (:mod:`lightning_3d.replica_guard`).
         bucket_size_mb: size of gradient communication buckets.
         process_group_backend: defaults to ``nccl`` on GPUs and ``gloo`` on CPUs.
         start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
@@ -150,6 +155,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         async_checkpoint: bool = False,
         keep_last_k: Optional[int] = None,
         health_check: bool = True,
+        replica_check_every: Union[int, str, None] = "auto",
         bucket_size_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -194,6 +200,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self._pp_partition = pipeline_partition
         self._format = checkpoint_format_for(checkpoint_format, async_checkpoint, keep_last_k)
         self._health_check = health_check
+        self._replica_guard = ReplicaGuard(replica_check_every) if parse_every(replica_check_every) else None
         self._monitor: Optional[HealthMonitor] = None
         self._pipelines: list[PipelineRuntime] = []
         self._rng_tracker: Optional[RNGStatesTracker] = None
@@ -354,6 +361,15 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self._optimizer_state_device())
+            self._install_replica_guard(trainer)
+
+    def _install_replica_guard(self, trainer: Trainer) -> None:
+        guard = self._replica_guard
+        if guard is None:
+            return
+        if guard not in trainer.callbacks:
+            trainer.callbacks.append(guard)
+        guard.bind(self.model, self.topology, self.config.zero_stage, self._pipelines, self.root_device)
 
     def _setup_optimizers_on_this_stage(self, trainer: Trainer) -> None:
         """``configure_optimizers`` sees only this pipeline stage's parameters; a stage may hold none of

@@ -16,6 +16,7 @@ from lightning_3d.models.adapters.registry import (
     known_names,
     models_in,
     register_adapter,
+    unregister_adapter,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "known_names",
     "models_in",
     "register_adapter",
+    "unregister_adapter",
 ]

@@ -34,6 +34,11 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     return adapter
 
 
+def unregister_adapter(name: str) -> None:
+    """Forget the adapter called ``name`` (a user's adapter, e.g. at the end of a test)."""
+    _adapters[:] = [a for a in _adapters if a.name != name]
+
+
 def adapters() -> list[ModelAdapter]:
     """Every registered adapter (the built-in ones are imported, and so registered, on first use),
     fallbacks last: an adapter the user registers wins over the generic one for its models."""
