@@ -62,7 +62,9 @@ def _strategy(spec: str) -> tuple[Any, type[GPTModule]]:
             "offload": "offload_optimizer",
             "nvme": "nvme_path",
             "ac": "activation_checkpointing",
+            "guard": "replica_check_every",
         }
+        kwargs = {k: (None if v == "off" else v) for k, v in kwargs.items()}
         return ThreeDParallelStrategy(**{names[k]: v for k, v in kwargs.items()}), GPTModule
     if name == "model_parallel":
         from baselines import DTensorGPTModule
@@ -182,6 +184,28 @@ def tp2_dp2_vs_model_parallel(steps: int, repeats: int) -> dict[str, Any]:
         "tokens_per_s_ratio": _ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
         "peak_memory_ratio": _ratio(ours["peak_memory_mb"], theirs["peak_memory_mb"]),
         "model_state_ratio": _ratio(ours["model_state_mb"], theirs["model_state_mb"]),
+    }
+
+
+@case
+def replica_guard_cost(steps: int, repeats: int) -> dict[str, Any]:
+    """The replica guard's cost at dp2 x tp2 x pp2 (8 CPU ranks): off, checking every step, and "auto"
+    (the default: spaced to cost under 1% of a step)."""
+    layout = "3d:dp=2,tp=2,pp=2,zero=1"
+    result = _alternate(
+        {"off": (8, f"{layout},guard=off"), "every_step": (8, f"{layout},guard=1"), "auto": (8, layout)},
+        steps, repeats, global_batch=16,
+    )
+    off = result["off"]["step_time_s"]
+    return {
+        "case": "replica_guard_cost",
+        "model": BENCH_GPT,
+        "global_batch": 16,
+        "steps": steps,
+        "repeats": repeats,
+        **result,
+        "every_step_over_off": _ratio(result["every_step"]["step_time_s"], off),
+        "auto_over_off": _ratio(result["auto"]["step_time_s"], off),
     }
 
 

@@ -68,7 +68,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_3d import launch_guard
-from lightning_3d.launch_guard import ProcessRecord, kill_if_here, launcher_died, process_record
+from lightning_3d.launch_guard import ProcessRecord, kill_if_here, launcher_died, process_record, restart_hint
 
 PREFIX = "lightning_3d/heartbeat/"
 PROCESS = "lightning_3d/process/"
@@ -77,7 +77,6 @@ FAILED = "failed"
 ERROR, SILENT = "error", "silent"
 HEARTBEAT_TIMEOUT_ENV = "LIGHTNING_3D_HEARTBEAT_TIMEOUT"
 WATCHED = 2  # each rank reads the counters of the next WATCHED live ranks in the ring
-RESTART = "restart with ckpt_path='last' to resume from the last complete checkpoint."
 _COMMUNICATION_WORDS = ("gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "Timed out waiting")
 
 
@@ -121,11 +120,11 @@ class Failure:
         if self.kind == SILENT:
             return (
                 f"lightning_3d: rank {rank} ends because rank(s) {list(self.ranks)} stopped responding (dead or "
-                f"frozen; noticed by rank {self.by}). Restart with ckpt_path='last' to resume from the last complete checkpoint."
+                f"frozen; noticed by rank {self.by}). {restart_hint()}"
             )
         return (
             f"lightning_3d: rank {rank}: ended because rank {self.by} failed: {self.what}; see rank {self.by}'s "
-            f"traceback above. Fix it, then {RESTART}"
+            f"traceback above. {restart_hint()}"
         )
 
 
@@ -249,7 +248,7 @@ class HealthMonitor:
         note = self._kill_note(self._kill((0,)))
         self.on_failure(
             f"lightning_3d: rank {self.rank} lost the rendezvous store hosted by rank 0 ({summarize(err)}); rank 0 is "
-            f"dead, frozen or unreachable{note}. Ending rank {self.rank}; restart with ckpt_path='last' to resume."
+            f"dead, frozen or unreachable{note}. Ending rank {self.rank}. {restart_hint()}"
         )
 
     def check(self) -> None:
@@ -302,8 +301,8 @@ class HealthMonitor:
         note = self._kill_note(killed)
         self._end(
             f"lightning_3d: {who} not responded for {silent_s:.0f} s (timeout {self.timeout:.0f} s): "
-            f"{'it' if len(ranks) == 1 else 'they'} died or froze{note}. Ending rank {self.rank} instead of hanging; "
-            f"restart with ckpt_path='last' to resume.",
+            f"{'it' if len(ranks) == 1 else 'they'} died or froze{note}. Ending rank {self.rank} instead of hanging. "
+            f"{restart_hint()}",
             ranks,
             killed=True,
         )
@@ -369,7 +368,7 @@ class HealthMonitor:
                 return  # this rank's own error, and nobody to tell: its traceback says it all
             line = (
                 f"lightning_3d: rank {self.rank}: lost contact with the job ({summarize(exception)}) and with the "
-                f"rendezvous store hosted by rank 0: rank 0 is dead or unreachable. Restart with ckpt_path='last' to resume."
+                f"rendezvous store hosted by rank 0: rank 0 is dead or unreachable. {restart_hint()}"
             )
         elif failure.by == self.rank and failure.kind == ERROR:
             line = None  # this rank failed first: its traceback is the one to read
@@ -377,7 +376,7 @@ class HealthMonitor:
             note = self._kill_note(self._kill(failure.ranks))
             line = (
                 f"lightning_3d: rank(s) {list(failure.ranks)} stopped responding (dead or frozen) -- the likely cause of "
-                f"this error on rank {self.rank}{note}. Restart with ckpt_path='last' to resume from the last complete checkpoint."
+                f"this error on rank {self.rank}{note}. {restart_hint()}"
             )
         else:
             self._kill(failure.ranks if failure.kind == SILENT else ())

@@ -315,6 +315,24 @@ def _set_parent_death_signal(signum: int) -> bool:
         return False
 
 
+_checkpoints: list[str] = []  # checkpoints this process saved or resumed from, newest last
+
+
+def note_checkpoint(path: object) -> None:
+    """Remember that this run saved (or resumed from) a checkpoint: failure lines then say how to resume."""
+    _checkpoints.append(str(path))
+
+
+def restart_hint() -> str:
+    """The advice a failure line ends with: resume from the last checkpoint only if there is one."""
+    if _checkpoints:
+        return "Restart with ckpt_path='last' to resume from the last complete checkpoint."
+    return (
+        "No checkpoint was saved or loaded in this run, so a restart begins at step 0 (Lightning's "
+        "ModelCheckpoint(every_n_train_steps=N) saves them)."
+    )
+
+
 def watch_launcher(rank: int, end: Callable[[str], None]) -> bool:
     """In a rank started by a guarded launcher: call ``end(line)`` as soon as the launcher dies.
 
@@ -330,17 +348,17 @@ def watch_launcher(rank: int, end: Callable[[str], None]) -> bool:
     if pid == os.getpid():  # the launcher itself (its environment is restored after spawning)
         return False
     who = f"rank {rank_text}, pid {pid}" if rank_text else f"pid {pid}"
-    line = (
-        f"lightning_3d: rank {rank}: its launcher ({who}) died; ending rank {rank} too. "
-        f"Restart with ckpt_path='last' to resume from the last complete checkpoint."
-    )
+
+    def line() -> str:  # (when it happens: a checkpoint may have been written by then)
+        return f"lightning_3d: rank {rank}: its launcher ({who}) died; ending rank {rank} too. {restart_hint()}"
+
     parent = os.getppid()
     if threading.current_thread() is threading.main_thread():
-        signal.signal(DEATH_SIGNAL, lambda signum, frame: end(line))
+        signal.signal(DEATH_SIGNAL, lambda signum, frame: end(line()))
         _set_parent_death_signal(DEATH_SIGNAL)
     _watch.update(parent=parent, line=line)
     if launcher_died():  # it died before the request was in place
-        end(line)
+        end(line())
     return True
 
 
@@ -355,4 +373,4 @@ def launcher_died() -> Optional[str]:
     """The one-line report if this rank's launcher is gone (its parent changed), else None."""
     if _watch["parent"] is None or os.getppid() == _watch["parent"]:
         return None
-    return _watch["line"]
+    return _watch["line"]()

@@ -199,11 +199,30 @@ def apply_tensor_parallel(
     if not found and not any(isinstance(m, PARALLEL_LAYERS) for m in root.modules()):
         raise ValueError(
             f"tensor_parallel={config.tensor_parallel}, but {type(root).__name__} contains no model with a "
-            f"built-in plan (model families: {known_names()}) and no tensor-parallel layers. Build the "
-            f"model in configure_model(), or pass ThreeDParallelStrategy(tensor_parallel_plan={{...}})."
+            f"built-in plan (model families: {known_names()}) and no tensor-parallel layers. {_plan_hint(root)}"
         )
     for _, model, adapter in found:
         apply_plan(model, adapter.tp_plan(model), ctx)
+
+
+def _plan_hint(root: nn.Module) -> str:
+    """How to give a plan for the model at hand: its linear layers as plan patterns (layer indices as ``*``)."""
+    patterns = list(dict.fromkeys(
+        ".".join("*" if part.isdigit() else part for part in name.split("."))
+        for name, m in root.named_modules() if isinstance(m, nn.Linear)
+    ))
+    if not patterns:
+        return (
+            "It has no linear layers yet: build the model in __init__ or configure_model(), then pass "
+            "ThreeDParallelStrategy(tensor_parallel_plan={module pattern: style}) (docs/tensor_parallel.md)."
+        )
+    shown = ", ".join(f"'{p}': ..." for p in patterns[:6]) + (", ..." if len(patterns) > 6 else "")
+    return (
+        f"Pass ThreeDParallelStrategy(tensor_parallel_plan={{{shown}}}) with a style for each layer to split ('column' "
+        f"for q/k/v and MLP inputs, 'row' for the attention and MLP outputs, 'vocab' / 'vocab_head' for the embedding "
+        f"and head; docs/tensor_parallel.md), or register an adapter for the model's family "
+        f"(lightning_3d.models.adapters.register_adapter)."
+    )
 
 
 def apply_pipeline(

@@ -53,7 +53,7 @@ from lightning_3d.fault import (
     mark_failed,
     watch_launcher,
 )
-from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSubprocessScriptLauncher
+from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSubprocessScriptLauncher, note_checkpoint
 from lightning_3d.parallelize import parallelize
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
@@ -435,9 +435,12 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._format.save(self._job(), checkpoint, filepath, storage_options)
+        note_checkpoint(filepath)  # failure lines may now advise resuming
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self._format.load(self._job(), Path(self.broadcast(str(checkpoint_path))), weights_only)
+        loaded = self._format.load(self._job(), Path(self.broadcast(str(checkpoint_path))), weights_only)
+        note_checkpoint(checkpoint_path)
+        return loaded
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pending = self._format.load_model_state(self._job(), checkpoint, strict=strict)

@@ -120,14 +120,14 @@ def run_cases(cases: list[tuple[str, str, str]]) -> dict[str, Any]:
 
 
 class HFLlama(L.LightningModule):
-    """A Hugging Face Llama (its attention and label shift live inside transformers)."""
+    """A Hugging Face Llama with attention dropout, which context-parallel attention has not."""
 
     def configure_model(self) -> None:
         import transformers
 
         config = transformers.LlamaConfig(
             vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64,
+            num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1,
         )
         self.model = transformers.LlamaForCausalLM(config)
 
@@ -276,7 +276,7 @@ def test_saved_activations_per_rank_at_cp4_are_a_quarter(mode, four, reference):
         ("dropout", r"GPTConfig.dropout=0.1 applies dropout to attention.*set dropout=0.0"),
         ("length", r"sequence length 30 is not divisible by 2 \* cp = 4"),
         ("heads", r"context_parallel_mode='all_to_all' shards attention heads over context_parallel=2.*'ring'"),
-        ("hf", r"context_parallel=2: the 'llama' model family has no context-parallel wiring.*context_parallel=1"),
+        ("hf", r"context_parallel=2 cannot run LlamaForCausalLM: its attention_dropout=0.1 applies dropout to attention probabilities.*context_parallel=1"),
     ],
 )
 def test_what_context_parallel_cannot_run_is_refused(name, message, two):

@@ -136,6 +136,49 @@ def apply_pipeline(module: nn.Module) -> None:
     split(module, None, ParallelConfig(pipeline_parallel=2))  # type: ignore[arg-type]  # refused before the topology is read
 
 
+def hf_model(kind: str) -> nn.Module:
+    import transformers
+
+    from tests.hf_families import hf_family_config
+
+    return transformers.AutoModelForCausalLM.from_config(hf_family_config(kind))
+
+
+def hf_plan(kind: str, plan: Optional[dict[str, str]] = None) -> None:
+    from lightning_3d.models.adapters.hf_plans import translate_tp_plan
+
+    model = hf_model(kind)
+    translate_tp_plan(model, model.tp_plan if plan is None else plan)
+
+
+def ring(**kwargs: Any) -> Any:
+    from lightning_3d.context_parallel.apply import ContextParallel
+
+    q = torch.zeros(1, 2, 4, 8)
+    return ContextParallel(None, 2, 0, "ring").attention(q, q, q, **kwargs)
+
+
+def hf_context_parallel(kind: str) -> None:
+    from lightning_3d.context_parallel.apply import ContextParallel
+    from lightning_3d.models.adapters.hf_context_parallel import wire_context_parallel
+
+    wire_context_parallel(hf_model(kind), ContextParallel(None, 2, 0, "ring"))
+
+
+def hf_capture() -> Any:
+    from lightning_3d.models.adapters.hf_sequence import _Capture
+
+    capture = _Capture("OddForCausalLM")
+    capture.visit(0, 2, torch.zeros(1, 4, 4), (), {})
+    return capture  # the next layer gets another shape: the family's loop is not a plain sequence
+
+
+def hf_before_split() -> None:
+    from lightning_3d.models.adapters.hf_context_parallel import before_split
+
+    before_split((), {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 8, [0] + [1] * 7])})
+
+
 def two_optimizers_one_parameter() -> None:
     layer = nn.Linear(2, 2)
     topology = SimpleNamespace(dims=SimpleNamespace(tp=1))  # all the check reads of the topology
@@ -233,6 +276,10 @@ def empty_dir(name: str = "empty") -> str:
 REFUSALS: dict[str, Callable[[], Observed]] = {
     # layout / config
     "layout-degree": raises(ValueError, lambda: ParallelConfig(tensor_parallel=0)),
+    "strategy-replica-check-every": raises(ValueError, lambda: ThreeDParallelStrategy(replica_check_every=-1)),
+    "cp-ring-window": raises(ValueError, lambda: ring(window=2)),
+    "cp-ring-softcap": raises(ValueError, lambda: hf_context_parallel("gemma2")),
+    "cp-hf-padding": raises(ValueError, lambda: hf_before_split()),
     "layout-dp-degree": raises(ValueError, lambda: ThreeDParallelStrategy(data_parallel=0)),
     "layout-world-size": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(data_parallel=3), devices=2)),
     "layout-auto-indivisible": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(tensor_parallel=2), devices=3)),
@@ -271,6 +318,8 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "tp-unknown-style": raises(ValueError, lambda: plan_on(nn.Sequential(nn.Linear(2, 2)), {"0": "diagonal"})),
     "tp-unmatched-pattern": raises(ValueError, lambda: plan_on(nn.Sequential(nn.Linear(2, 2)), {"1": "column"})),
     "tp-plan-without-sp": raises(NotImplementedError, lambda: plan_on(nn.Linear(2, 2), {}, True, supports_sequence_parallel=False)),
+    "tp-hf-no-plan": raises(ValueError, lambda: hf_plan("opt")),
+    "tp-hf-unmapped-style": raises(ValueError, lambda: hf_plan("llama", {"model.layers.*.mlp.experts": "moe_tp_experts"})),
     "tp-layer-without-group": raises(ValueError, lambda: ColumnParallelLinear(4, 4)),
     "tp-row-sequence-parallel": raises(ValueError, lambda: RowParallelLinear(4, 4, input_is_parallel=False, sequence_parallel=True)),
     # pipeline
@@ -282,6 +331,8 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "pp-split-points": raises(ValueError, lambda: partition(6, 3, [3, 2])),
     "pp-partition-method": raises(ValueError, lambda: partition(6, 3, "greedy")),
     "pp-nothing-to-split": raises(ValueError, lambda: apply_pipeline(nn.Sequential(nn.Linear(2, 2)))),
+    "pp-hf-no-plan": raises(ValueError, lambda: apply_pipeline(hf_model("opt"))),
+    "pp-hf-layer-loop": raises(RuntimeError, lambda: hf_capture().visit(1, 2, torch.zeros(1, 3, 4), (), {})),
     "pp-batch-not-divisible": raises(ValueError, lambda: on_train_start(ThreeDParallelStrategy(pipeline_parallel=2, micro_batches=2), torch.utils.data.DataLoader(range(6), batch_size=3))),
     "pp-hf-arguments": raises(NotImplementedError, lambda: _hf_inputs((), {"input_ids": torch.zeros(1, 2), "inputs_embeds": torch.zeros(1, 2, 4)})),
     "pp-hf-mask-shape": raises(ValueError, lambda: _hf_inputs((), {"input_ids": torch.zeros(1, 2), "attention_mask": torch.ones(1, 1, 2, 2)})),

@@ -26,6 +26,7 @@ import pytest
 import torch.distributed as dist
 
 import lightning_3d.fault as fault
+import lightning_3d.launch_guard as launch_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "fault_worker.py"
@@ -121,7 +122,8 @@ def test_reporting_a_failure_costs_each_rank_a_few_store_operations_at_10000_ran
         assert ops <= 4, ops
         assert error.__notes__ == [
             f"lightning_3d: rank {rank}: ended because rank 4321 failed: ValueError: a bug in the training step; see rank "
-            f"4321's traceback above. Fix it, then restart with ckpt_path='last' to resume from the last complete checkpoint."
+            f"4321's traceback above. No checkpoint was saved or loaded in this run, so a restart begins at step 0 "
+            f"(Lightning's ModelCheckpoint(every_n_train_steps=N) saves them)."
         ]
         if rank != 0:  # (rank 0 hosts the store: it waits a moment for the others to be counted out)
             before = store.ops
@@ -327,7 +329,10 @@ def test_killing_the_launcher_ends_the_other_ranks_within_seconds_with_one_line_
     ended = job.wait_for(lambda: not job.alive(), 30, "rank 1 outlived its launcher", job.describe)
     assert ended - killed < 10
     expected = f"lightning_3d: rank 1: its launcher (rank 0, pid {launcher}) died; ending rank 1 too."
-    assert job.lines() == [f"{expected} Restart with ckpt_path='last' to resume from the last complete checkpoint."]
+    assert job.lines() == [  # (this job saves no checkpoint: no advice to resume from one)
+        f"{expected} No checkpoint was saved or loaded in this run, so a restart begins at step 0 (Lightning's "
+        f"ModelCheckpoint(every_n_train_steps=N) saves them)."
+    ]
     output = job.output()
     assert "Traceback" not in output and "frame #" not in output and "Connection reset" not in output
 
@@ -349,3 +354,14 @@ def test_an_error_raised_on_every_rank_prints_one_traceback_and_one_line_per_oth
     assert len(lines) == 1 and lines[0].startswith(expected), lines
     assert output.index("Traceback") < output.index(lines[0])  # "above" is true
     assert "frame #" not in output
+
+
+def test_the_resume_advice_appears_only_once_a_checkpoint_exists(monkeypatch) -> None:
+    """A failure line advises ckpt_path='last' only when this run saved or resumed from a checkpoint
+    (before, a run without checkpoints was told to resume from one, and restarted at step 0)."""
+    monkeypatch.setattr(launch_guard, "_checkpoints", [])
+    assert "begins at step 0" in launch_guard.restart_hint() and "ckpt_path" not in launch_guard.restart_hint()
+    launch_guard.note_checkpoint("/runs/a/step=10.ckpt")
+    assert launch_guard.restart_hint() == "Restart with ckpt_path='last' to resume from the last complete checkpoint."
+    failure = fault.Failure(3, fault.ERROR, (), "ValueError: x")
+    assert failure.line_for(0).endswith("Restart with ckpt_path='last' to resume from the last complete checkpoint.")

@@ -170,7 +170,7 @@ def test_a_naive_qwen3_plan_is_stopped_naming_the_q_and_k_norms(two) -> None:
     for rank in two:
         result = result_of(rank, "naive")
         assert result["raised"].startswith("ReplicaDivergence"), result
-        assert f"at step {EVERY}" in result["raised"]  # within N steps
+        assert f"replicated parameters diverged at step {EVERY}" in result["raised"]  # within N steps
         assert "self_attn.q_norm.weight" in result["raised"] and "self_attn.k_norm.weight" in result["raised"]
         assert "tensor parallel copies" in result["raised"] and "'sum_gradients'" in result["raised"]
         assert "input_layernorm" not in result["raised"]  # norms outside the heads stay equal

@@ -79,13 +79,13 @@ def _refusals(model: nn.Module, cp: "ContextParallel") -> list[str]:
     for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
         rate = float(getattr(config, name, 0.0) or 0.0)
         if rate > 0:
-            out.append(f"{name}={rate} applies dropout to attention probabilities, which context-parallel attention has not")
+            out.append(f"its {name}={rate} applies dropout to attention probabilities, which context-parallel attention has not (set it to 0.0)")
     if getattr(config, "use_bidirectional_attention", False):
-        out.append("use_bidirectional_attention=True: context-parallel attention is causal")
+        out.append("its use_bidirectional_attention=True asks for attention in both directions; context-parallel attention is causal")
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None and cp.mode == "ring":
         out.append(
-            f"attn_logit_softcapping={softcap} soft-caps attention scores, which the ring cannot (its blocks merge raw "
+            f"its attn_logit_softcapping={softcap} soft-caps attention scores, which the ring cannot (its blocks merge raw "
             f"scores); context_parallel_mode='all_to_all' computes it"
         )
     return out
@@ -103,7 +103,7 @@ def wire_context_parallel(model: nn.Module, cp: Optional["ContextParallel"]) -> 
         return
     reasons = _refusals(model, cp)
     if reasons:
-        raise ValueError(f"context_parallel={cp.size}: {type(model).__name__} has " + "; ".join(reasons) + ". Or use context_parallel=1.")
+        raise ValueError(f"context_parallel={cp.size} cannot run {type(model).__name__}: " + "; ".join(reasons) + ". Or use context_parallel=1.")
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, context_parallel_attention)
