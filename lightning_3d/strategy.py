@@ -98,7 +98,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
             or ``"all_to_all"`` (DeepSpeed-Ulysses: heads sharded over cp for the attention).
         zero_stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
         sequence_parallel: shard layer norms/dropout activations along the sequence (needs tp > 1).
-        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_v"`` or
+            ``"dualpipe_v"`` (docs/pipeline.md).
         micro_batches: micro-batches per step and pipeline; ``None`` picks a divisor of the batch.
         virtual_stages: model chunks per pipeline rank (interleaved 1F1B).
         activation_checkpointing: ``None``, ``"full"`` (recompute whole blocks) or ``"selective"``
@@ -110,7 +111,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
         timeout: seconds (or ``timedelta``) any collective may take before the job fails.
         tensor_parallel_plan: module-name patterns -> styles (see :mod:`lightning_3d.tensor_parallel.plans`),
             applied to the LightningModule; ``None`` uses the built-in plan of every model inside it
-            that a registered family knows (``lightning_3d.models.adapters``: our GPT, HF Llama, GPT-2, Qwen2).
+            that a registered family knows (``lightning_3d.models.adapters``: our GPT, HF GPT-2, any HF causal
+            LM whose config carries transformers' ``base_model_tp_plan``).
         pipeline_partition: how layers are cut into stages: ``"uniform"``, ``"parameters"`` or a list of the
             block indices where stages 2.. start.
         checkpoint_format: ``"sharded"`` (a directory, each rank writes its pieces; loads under any layout)

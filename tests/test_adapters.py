@@ -275,3 +275,82 @@ def test_qwen2_trains_like_one_process(single, two, name, reference):
     assert len(expected) == 3 and all(np.isfinite(expected))
     for rank in two:
         np.testing.assert_allclose(result_of(rank, name), expected, rtol=1e-5)
+
+
+# -- (e) any Hugging Face causal LM from transformers' plans (issue 31) -----------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt_neox", "starcoder2"])
+def test_the_pipeline_pieces_run_the_models_own_forward(kind):
+    """Embed -> blocks -> head, built from base_model_pp_plan, gives the model's own loss bit for bit, on a
+    padded SFT batch (left padding, position ids, masked prompt), also on a stage without the embedding
+    (the layers' arguments recorded from its received hidden states)."""
+    from tests.hf_families import hf_family_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_family_config(kind)).train()
+    ids = torch.randint(0, 128, (2, SEQ))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :2] = -100
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), labels=labels)
+    expected = model(**kwargs).loss
+    adapter = adapter_for(model)
+    assert adapter is not None and adapter.pipeline_refusal(model) is None
+    sequence = adapter.layer_sequence(model)
+    for own_embedding in (True, False):
+        batch = sequence.inputs((), kwargs)
+        x = sequence.embed(batch)
+        if not own_embedding:
+            batch = sequence.inputs((), kwargs)  # a later stage: nothing recorded yet
+        for layer in sequence.blocks:
+            x = sequence.block(layer, x, batch)
+        assert torch.equal(sequence.head(x, batch).loss, expected), (kind, own_embedding)
+
+
+def test_a_family_without_plans_trains_data_parallel_and_says_how_to_give_a_plan():
+    from lightning_3d.models.adapters.hf_plans import PlanRefused
+    from tests.hf_families import hf_family_config
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_family_config("opt"))
+    adapter = adapter_for(model)
+    assert adapter is not None and adapter.name == "hf"
+    assert "no base_model_pp_plan" in adapter.pipeline_refusal(model)
+    assert len(adapter.layer_sequence(model).blocks) == 4  # recompute still finds the decoder layers
+    with pytest.raises(PlanRefused, match=r"base_model_tp_plan = .*tensor_parallel_plan=.*register_adapter.*tensor_parallel=1"):
+        adapter.tp_plan(model)
+
+
+def test_a_users_adapter_wins_over_the_generic_one():
+    from lightning_3d.models.adapters import register_adapter, unregister_adapter
+    from lightning_3d.models.adapters.hf_generic import GenericHFAdapter
+
+    class Mine(GenericHFAdapter):
+        name, fallback = "mine", False
+
+    model = transformers.AutoModelForCausalLM.from_config(_hf_configs()["llama"])
+    register_adapter(Mine())
+    try:
+        assert adapter_for(model).name == "mine"
+    finally:
+        unregister_adapter("mine")
+    assert adapter_for(model).name == "hf"
+
+
+def test_the_no_plan_hint_lists_the_layers_of_a_model_built_in_init():
+    """litgpt-style: the model is built in __init__, no family knows it; the hint names its layers as patterns."""
+    from lightning_3d.parallelize import _plan_hint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    class LitGPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = nn.ModuleDict({"h": nn.ModuleList([Block(), Block()])})
+            self.lm_head = nn.Linear(8, 16)
+
+    hint = _plan_hint(LitGPT())
+    assert "'transformer.h.*.qkv': ..., 'transformer.h.*.proj': ..., 'lm_head': ..." in hint and "register_adapter" in hint
+    assert "build the model in __init__ or configure_model()" in _plan_hint(nn.Module())

@@ -20,7 +20,7 @@ from lightning_3d.pretrained import from_pretrained
 
 
 class HFCausalLMModule(L.LightningModule):
-    """A Hugging Face causal LM (Llama, GPT-2, Qwen2, ...) trained from ``init_from``.
+    """A Hugging Face causal LM (any family transformers ships plans for) trained from ``init_from``.
 
     Args:
         init_from: a Hugging Face model directory (``config.json`` + safetensors weights).
