@@ -174,13 +174,17 @@ def world(root: str, cells: list[tuple[str, str]], layouts: dict[str, dict[str, 
 
 TWO_RANKS = {
     "tp2": dict(tensor_parallel=2),
+    "tp2-sp": dict(tensor_parallel=2, sequence_parallel=True),
     "pp2": dict(pipeline_parallel=2),
     "pp2-zbv": dict(pipeline_parallel=2, pipeline_schedule="zb_v", micro_batches=4),
     "cp2-ring": dict(context_parallel=2),
     "cp2-a2a": dict(context_parallel=2, context_parallel_mode="all_to_all"),
     "zero3": dict(zero_stage=3),
 }
-EIGHT_RANKS = {"dp2tp2pp2": dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, zero_stage=1)}
+EIGHT_RANKS = {
+    "dp2tp2pp2": dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, zero_stage=1),
+    "dp2tp2pp2-sp": dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, zero_stage=1, sequence_parallel=True),
+}
 # the whole product in `make test-slow`; `make test` takes each family at two 2-rank layouts (every
 # layout at least three times: a pairwise cover of families x layouts would be the product itself) and
 # three families at dp2 x tp2 x pp2
@@ -189,7 +193,7 @@ ALL_EIGHT = [(kind, name) for kind in FAMILIES for name in EIGHT_RANKS]
 SAMPLE_TWO = [(kind, list(TWO_RANKS)[(i + j) % len(TWO_RANKS)]) for i, kind in enumerate(FAMILIES) for j in (0, 2)] + [
     (kind, "zero3") for kind in NO_PLAN
 ]
-SAMPLE_EIGHT = [("llama", "dp2tp2pp2"), ("qwen3", "dp2tp2pp2"), ("gemma3", "dp2tp2pp2")]
+SAMPLE_EIGHT = [("llama", "dp2tp2pp2"), ("qwen3", "dp2tp2pp2-sp"), ("gemma3", "dp2tp2pp2"), ("phi3", "dp2tp2pp2-sp")]
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +247,8 @@ def _key_part(key: str, size: int, heads: int) -> np.ndarray:
 def refusal(kind: str, layout: str) -> str:
     """What the layout refuses for the family ("" if nothing): the ring's blocks are causal or full,
     so sliding windows shorter than the sequence and soft-capped scores go to all-to-all."""
+    if layout.endswith("-sp") and kind == "gpt2":
+        return "does not support sequence_parallel=True"
     if layout != "cp2-ring":
         return ""
     config = hf_family_config(kind)
@@ -260,7 +266,8 @@ def _check(ranks: list[dict[str, Any]], ref: dict[str, Any], name: str) -> None:
     if refusal(kind, layout):  # refused before its first step completes, naming the alternative
         for rank in ranks:
             error = rank[name].get("error", "") if isinstance(rank[name], dict) else ""
-            assert refusal(kind, layout) in error and "context_parallel_mode='all_to_all'" in error, error[-2000:]
+            way_out = "context_parallel_mode='all_to_all'" if layout.startswith("cp") else "use sequence_parallel=False"
+            assert refusal(kind, layout) in error and way_out in error, error[-2000:]
         return
     losses = np.mean([result_of(r, name)["losses"] for r in ranks], axis=0)  # dp replicas: equal token counts
     assert len(losses) == STEPS

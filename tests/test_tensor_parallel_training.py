@@ -267,12 +267,17 @@ def bad_inputs() -> dict[str, str]:
         kw = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**kw, **overrides}))
 
+    def gpt2() -> nn.Module:  # its family plan has no sequence-parallel wiring (transformers' plans have)
+        import transformers
+
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=4))
+
     return {
         "heads": _error_of(lambda: plan_on(GPT(GPTConfig(**{**TINY_GPT, "n_head": 1})))),
         "ffn": _error_of(lambda: plan_on(GPT(GPTConfig(**{**TINY_GPT, "ffn_hidden": 33})))),
         "kv_heads": _error_of(lambda: plan_on(llama(num_key_value_heads=1))),
         "intermediate": _error_of(lambda: plan_on(llama(intermediate_size=63))),
-        "hf_sequence_parallel": _error_of(lambda: plan_on(llama(), sequence_parallel=True)),
+        "hf_sequence_parallel": _error_of(lambda: plan_on(gpt2(), sequence_parallel=True)),
         "unknown_style": _error_of(lambda: apply_plan(nn.Sequential(nn.Linear(4, 4)), TensorParallelPlan({"0": "diagonal"}), _tp_context(False))),
         "unmatched": _error_of(lambda: apply_plan(nn.Sequential(nn.Linear(4, 4)), TensorParallelPlan({"1": "column"}), _tp_context(False))),
         "no_plan": _error_of(lambda: quiet_trainer(strategy=ThreeDParallelStrategy(tensor_parallel=2), max_steps=1).fit(CountingModule())),
@@ -436,7 +441,7 @@ def test_bf16_mixed_tracks_fp32_within_bf16_tolerance(tp2, single):
         ("ffn", "GPTConfig.ffn_dim=33 is not divisible by tensor_parallel=2"),
         ("kv_heads", "num_key_value_heads=1 is not divisible by tensor_parallel=2"),
         ("intermediate", "intermediate_size=63 is not divisible by tensor_parallel=2"),
-        ("hf_sequence_parallel", "NotImplementedError: the LlamaForCausalLM plan does not support sequence_parallel=True"),
+        ("hf_sequence_parallel", "NotImplementedError: the GPT2LMHeadModel plan does not support sequence_parallel=True"),
         ("unknown_style", "unknown tensor-parallel style 'diagonal'"),
         ("unmatched", "patterns ['1'] matched no module"),
         ("no_plan", "CountingModule contains no model with a built-in plan"),

@@ -267,7 +267,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         prepared = self.input_is_prepared
         shared = self.shared_entry
-        if shared is not None and not prepared and not self.sequence_parallel:
+        if shared is not None and not prepared:
             x, prepared = shared.enter(x), True  # one entry for the siblings reading this tensor
         # under sequence parallelism only the sequence shard is kept for backward (gathered again there)
         y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel, prepared)

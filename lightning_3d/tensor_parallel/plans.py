@@ -21,7 +21,9 @@ to styles. Styles are strings for the common cases or :class:`Style` objects:
 ``"sum_gradients"`` the module's own parameters are replicated but see partial inputs (e.g. a
                    per-head norm on this rank's heads): their gradients are summed over tp
 ``"share_entry"``  the column-parallel children of this module that read one tensor enter the tp
-                   region once for it (one backward all-reduce), whatever else reads it
+                   region once for it (one backward all-reduce), whatever else reads it; under
+                   sequence parallelism the module's input is all-gathered at its entry
+``"sequence_split_input"`` split the module's first input along the sequence (SP only)
 =================  ==========================================================================
 
 This module knows no model: each model family's plan lives in its adapter
@@ -45,6 +47,7 @@ from lightning_3d.tensor_parallel.mappings import (
     gather_for_column_parallel,
     gather_from_tensor_parallel,
     scatter_to_sequence_parallel,
+    scatter_to_tensor_parallel,
 )
 from lightning_3d.tensor_parallel.random import RNGStatesTracker, run_forward_in_rng_region, run_forward_outside_rng_region
 from lightning_3d.tensor_parallel.spec import get_spec, mark_sequence_parallel, replicated_spec, set_spec
@@ -94,16 +97,27 @@ class Row(Style):
     input_is_parallel: bool = True
 
     def apply(self, module: nn.Module, ctx: PlanContext) -> nn.Module:
-        if not self.input_is_parallel:
+        if not self.input_is_parallel and not ctx.sequence_parallel:
             return RowParallelLinear.from_dense(module, tp_group=ctx.tp_group, input_is_parallel=False)
-        return RowParallelLinear.from_dense(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+        row = RowParallelLinear.from_dense(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+        if not self.input_is_parallel:  # a replicated input: split it here, then reduce-scatter the sequence
+            row.register_forward_pre_hook(lambda mod, args: (scatter_to_tensor_parallel(args[0], ctx.tp_group), *args[1:]))
+        return row
 
 
+@dataclass
 class VocabEmbedding(Style):
+    """``split_sequence=False``: the output stays whole under sequence parallelism (a model whose
+    forward reads the embedding's sequence length for its masks; ``"sequence_split_input"`` on the
+    first layer cuts it there instead)."""
+
+    split_sequence: bool = True
+
     def apply(self, module: nn.Module, ctx: PlanContext) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"'vocab' style needs an nn.Embedding, got {type(module).__name__}.")
-        return VocabParallelEmbedding.from_dense(module, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+        split = ctx.sequence_parallel and self.split_sequence
+        return VocabParallelEmbedding.from_dense(module, tp_group=ctx.tp_group, sequence_parallel=split)
 
 
 def _map_first_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor], names: tuple[str, ...]) -> tuple[tuple, dict]:
@@ -182,8 +196,10 @@ class SharedEntry:
     Several column-parallel layers reading the same tensor (q/k/v, gate/up) then share one
     ``copy_to_tensor_parallel``: one backward all-reduce of their summed input gradients instead of
     one each. Anything else reading the tensor (a replicated router, a residual) reads it as it is,
-    so its gradient is not summed over tp. The table lives only while the module's forward runs (no
-    tensor outlives it through here)."""
+    so its gradient is not summed over tp. Under sequence parallelism the module's first input is
+    all-gathered at its entry (its own code then sees whole sequences), and that gathered tensor is
+    the prepared input of the column layers reading it; a column layer reading anything else enters
+    by a copy. The table lives only while the module's forward runs (no tensor outlives it here)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -199,22 +215,70 @@ class SharedEntry:
 
 
 class ShareEntry(Style):
+    names: tuple[str, ...] = ("hidden_states", "x", "input")
+
     def apply(self, module: nn.Module, ctx: PlanContext) -> None:
-        if ctx.sequence_parallel:
-            return  # under sequence parallelism a module's input is gathered by "prepare_input"
         scope = SharedEntry(ctx.tp_group)
 
-        def begin(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        def begin(mod: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
             scope.entered.clear()
             for child in mod.children():
                 if isinstance(child, ColumnParallelLinear) and not child.input_is_prepared:
                     child.shared_entry = scope
+            if not ctx.sequence_parallel:
+                return None
+
+            def gather(x: Tensor) -> Tensor:
+                gathered = gather_for_column_parallel(x, ctx.tp_group)
+                scope.entered[id(gathered)] = (gathered, gathered)  # already inside the region
+                return gathered
+
+            return _map_first_input(args, kwargs, gather, self.names)
 
         def end(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             scope.entered.clear()
 
         module.register_forward_pre_hook(begin, with_kwargs=True)
         module.register_forward_hook(end, with_kwargs=True)
+        module._tp_shared_entry = scope  # type: ignore[attr-defined]  (what runs inside sees whole sequences)
+
+
+class SequenceSplitInput(Style):
+    """Under sequence parallelism: split the module's first input along the sequence (the first
+    decoder layer of a model whose forward needs whole sequences before it)."""
+
+    names: tuple[str, ...] = ("hidden_states", "x", "input")
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        if not ctx.sequence_parallel:
+            return
+
+        def split(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return _map_first_input(args, kwargs, lambda x: scatter_to_sequence_parallel(x, ctx.tp_group), self.names)
+
+        module.register_forward_pre_hook(split, with_kwargs=True)
+
+
+def mark_sequence_sharded_replicas(module: nn.Module, group: dist.ProcessGroup) -> int:
+    """Under sequence parallelism: every replicated parameter of ``module`` that is applied to a
+    sequence shard (outside the modules whose input a ``"share_entry"`` gathers) gets partial
+    gradients, summed over tp (the norms of a decoder layer); returns how many were marked."""
+    count = 0
+
+    def visit(m: nn.Module) -> None:
+        nonlocal count
+        if getattr(m, "_tp_shared_entry", None) is not None:
+            return  # inside: whole sequences, the plan's own marks apply
+        for p in m.parameters(recurse=False):
+            spec = get_spec(p)
+            if spec is None or spec.dim is None:
+                mark_sequence_parallel(p, group)
+                count += 1
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    return count
 
 
 @dataclass
@@ -246,6 +310,7 @@ NAMED_STYLES: dict[str, Style] = {
     "row_split_input": Row(input_is_parallel=False),
     "sum_gradients": SumGradients(),
     "share_entry": ShareEntry(),
+    "sequence_split_input": SequenceSplitInput(),
 }
 
 StyleSpec = Union[str, Style, Iterable[Union[str, Style]]]

@@ -26,7 +26,7 @@ class ScaledVocabEmbedding(Style):
         scale = float(module.scalar_embed_scale)
         plain = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, device=module.weight.device, dtype=module.weight.dtype)
         plain.weight = module.weight
-        parallel = VocabEmbedding().apply(plain, ctx)
+        parallel = VocabEmbedding(split_sequence=False).apply(plain, ctx)  # (cut at the first layer under SP)
         parallel.register_forward_hook(
             lambda mod, args, out: out * torch.tensor(scale, device=out.device).to(out.dtype)  # as HF: scale in the weights' dtype
         )

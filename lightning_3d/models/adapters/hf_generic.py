@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_3d.layout_rules import ModelDims
 from lightning_3d.models.adapters.hf_common import HFAdapter, config_dims, config_shape
-from lightning_3d.models.adapters.hf_plans import translate_tp_plan, vocab_parallel_loss
+from lightning_3d.models.adapters.hf_plans import hf_finalize, translate_tp_plan
 from lightning_3d.models.adapters.hf_sequence import HFSequence, hf_pipeline_sequence, pipeline_plan
 from lightning_3d.models.adapters.registry import register_adapter
 from lightning_3d.pipeline.sequences import LayerSequence
@@ -75,13 +75,21 @@ class GenericHFAdapter(HFAdapter):
         return None
 
     def tp_plan(self, model: nn.Module) -> TensorParallelPlan:
-        styles, vocab_head = translate_tp_plan(model, getattr(model, "tp_plan", None), self.embedding_style(model))
+        # sequence parallelism needs the pipeline plan's map: where the decoder layers start, which norms follow them
+        pieces, _ = pipeline_plan(model, getattr(model, "_pp_plan", None))
+        layers = f"{pieces.base}.{pieces.layers}" if pieces is not None else None
+        styles, vocab_head = translate_tp_plan(model, getattr(model, "tp_plan", None), self.embedding_style(model), layers)
+        sharded: list[str] = []  # what runs on sequence shards under SP: every decoder layer, the final norm(s)
+        if pieces is not None:
+            head = model.get_output_embeddings()
+            sharded = [f"{layers}.{i}" for i in range(len(model.get_submodule(str(layers))))]
+            sharded += [n for n in pieces.head_modules if model.get_submodule(n) is not head]
         return TensorParallelPlan(
             name=type(model).__name__,
             styles=styles,
             check=self.check_tensor_parallel,
-            finalize=vocab_parallel_loss(model.config.vocab_size) if vocab_head else None,
-            supports_sequence_parallel=False,
+            finalize=hf_finalize(model.config.vocab_size if vocab_head else None, sharded),
+            supports_sequence_parallel=pieces is not None,
         )
 
     def pipeline_refusal(self, model: nn.Module) -> Optional[str]:

@@ -29,9 +29,16 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_3d.tensor_parallel.plans import Column, PlanContext, Row, StyleSpec
 from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss
-from lightning_3d.tensor_parallel.plans import gather_logits_hook
+from lightning_3d.tensor_parallel.plans import (
+    Column,
+    PlanContext,
+    Row,
+    StyleSpec,
+    VocabEmbedding,
+    gather_logits_hook,
+    mark_sequence_sharded_replicas,
+)
 
 HF_STYLES: dict[str, StyleSpec] = {
     "colwise": "column",
@@ -42,8 +49,10 @@ HF_STYLES: dict[str, StyleSpec] = {
     "replicated_with_grad_allreduce": "sum_gradients",
     "embedding_rowwise": "vocab",
 }
-# styles whose module is a column-parallel layer that splits heads: its parent module gets one
-# shared entry and a per-rank random stream (attention dropout on this rank's heads)
+# column-parallel styles: their parent module gets one shared entry into the tp region (and, under
+# sequence parallelism, its input gathered whole: HF attention reads the sequence length from it)
+COLUMNS = ("colwise", "colwise_gather_output", "packed_colwise")
+# those that split heads: the parent also draws dropout from a per-rank stream (this rank's heads)
 SPLITS_HEADS = ("colwise", "packed_colwise")
 
 
@@ -56,12 +65,13 @@ def _parent(pattern: str) -> str:
 
 
 def translate_tp_plan(
-    model: nn.Module, plan: Optional[dict[str, str]], embedding_style: Optional[StyleSpec] = None
+    model: nn.Module, plan: Optional[dict[str, str]], embedding_style: Optional[StyleSpec] = None, layers: Optional[str] = None
 ) -> tuple[dict[str, StyleSpec], bool]:
     """Our styles for ``model`` from transformers' plan (``model.tp_plan``: patterns from the causal
     LM, the base model's prefixed); returns ``(styles, vocab_parallel_head)``. ``embedding_style``
     overrides the input embedding's (a family whose embedding is not a plain ``nn.Embedding``);
-    raises :class:`PlanRefused` naming what is missing."""
+    ``layers``: the decoder layers' path, which sequence parallelism needs (cut at the first
+    layer's input; per-rank dropout on shards). Raises :class:`PlanRefused` naming what is missing."""
     family = type(model).__name__
     names = {module: name for name, module in model.named_modules()}
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
@@ -87,13 +97,18 @@ def translate_tp_plan(
                 f"use tensor_parallel=1, or pass your own tensor_parallel_plan."
             )
         styles[pattern] = HF_STYLES[style]
-        if style in SPLITS_HEADS:
-            styles.setdefault(_parent(pattern), ["share_entry", "rng"])
+        if style in COLUMNS:  # one entry per input tensor (under SP: whole sequences inside the parent)
+            parent = styles.setdefault(_parent(pattern), ["share_entry"])
+            if style in SPLITS_HEADS and "rng" not in parent:
+                parent.append("rng")
     if embed_name:
         if embedding_style is not None:
             styles[embed_name] = embedding_style
         elif type(embedding) is nn.Embedding:
-            styles[embed_name] = "vocab"
+            styles[embed_name] = VocabEmbedding(split_sequence=False)  # the forward builds masks from its length
+    if layers is not None:  # (each does something only under sequence parallelism)
+        styles[f"{layers}.0"] = ["sequence_split_input", "sequence_rng"]
+        styles[f"{layers}.*"] = "sequence_rng"
     tied = embedding is not None and head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", 0)
     vocab_head = bool(head_name) and type(head) is nn.Linear and (not tied or embed_name in styles)
     if vocab_head:
@@ -108,5 +123,23 @@ def vocab_parallel_loss(vocab_size: int) -> Callable[[nn.Module, PlanContext], N
     def finalize(m: nn.Module, ctx: PlanContext) -> None:
         m.loss_function = CausalLMLoss(ctx.tp_group, vocab_size)
         m.register_forward_hook(gather_logits_hook(vocab_size, ctx))
+
+    return finalize
+
+
+def hf_finalize(
+    vocab_size: Optional[int], sharded: list[str]
+) -> Callable[[nn.Module, PlanContext], None]:
+    """After the plan: the vocab-parallel loss (``vocab_size``: the head is split), and under sequence
+    parallelism the replicated parameters applied to sequence shards (the decoder layers' norms,
+    the final norm: ``sharded`` module paths) marked for gradient sums over tp."""
+    loss = vocab_parallel_loss(vocab_size) if vocab_size is not None else None
+
+    def finalize(m: nn.Module, ctx: PlanContext) -> None:
+        if loss is not None:
+            loss(m, ctx)
+        if ctx.sequence_parallel:
+            for path in sharded:
+                mark_sequence_sharded_replicas(m.get_submodule(path), ctx.tp_group)
 
     return finalize

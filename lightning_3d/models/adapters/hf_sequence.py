@@ -13,8 +13,8 @@ forward piece by piece is where silent differences hide, so this module runs the
   the arguments its layer would get (masks, rotary tables, positions); the forward is stopped
   after the last recorder, before the final norm.
 * **block** ``i``: layer ``i`` called with the hidden states and the arguments recorded for ``i``.
-  A stage without the embedding records them the same way with its received hidden states as
-  ``inputs_embeds`` (no gradient; only shapes, dtype and device are read by the masks).
+  A stage without the embedding records them the same way from zeros of the micro-batch's token
+  shape as ``inputs_embeds`` (no gradient; only shapes, dtype and device are read by the masks).
 * **head**: the causal LM's class ``forward`` runs with the recorders again, the last one
   returning the stage's hidden states: HF's own final norm, ``lm_head``, soft-capping or logit
   scaling and loss follow.
@@ -204,10 +204,18 @@ class HFSequence:
         assert capture.first is not None
         return capture.first
 
+    @staticmethod
+    def _placeholder(batch: Inputs, x: Tensor) -> Tensor:
+        """What a stage without the embedding gives the forward as ``inputs_embeds``: zeros (no memory)
+        of the micro-batch's token shape, whole sequences even when ``x`` is a sequence shard (the
+        masks and positions are the whole sequence's)."""
+        ids = batch["input_ids"]
+        return torch.zeros((), dtype=x.dtype, device=x.device).expand(ids.shape[0], ids.shape[1], x.shape[-1])
+
     def block(self, layer: nn.Module, x: Tensor, batch: Inputs) -> Tensor:
         if "_layer_calls" not in batch:  # a stage without the embedding: record from the received hidden states
             with torch.no_grad():
-                self._record(batch, inputs_embeds=x.detach())
+                self._record(batch, inputs_embeds=self._placeholder(batch, x))
         index = next(i for i, b in enumerate(self.blocks) if b is layer)
         args, kwargs = batch["_layer_calls"][index]
         return first_output(layer(x, *args, **kwargs))
@@ -218,7 +226,8 @@ class HFSequence:
         with self._recording(_Capture(self.family, inject=x, stop=False)):
             # the class's forward: not the instance's (the pipeline runtime's) nor the hooks around it
             out = type(self.model).forward(
-                self.model, input_ids=None, inputs_embeds=x.detach(), labels=labels, **self._base_inputs(batch), **extra
+                self.model, input_ids=None, inputs_embeds=self._placeholder(batch, x), labels=labels,
+                **self._base_inputs(batch), **extra,
             )
         if labels is None:
             return HeadOutput(logits=out.logits)
