@@ -354,3 +354,22 @@ def test_the_no_plan_hint_lists_the_layers_of_a_model_built_in_init():
     hint = _plan_hint(LitGPT())
     assert "'transformer.h.*.qkv': ..., 'transformer.h.*.proj': ..., 'lm_head': ..." in hint and "register_adapter" in hint
     assert "build the model in __init__ or configure_model()" in _plan_hint(nn.Module())
+
+
+def test_flops_of_a_family_whose_heads_are_not_hidden_over_heads():
+    """Gemma 3 with head_dim 16 (4 heads x 16 = 64 for hidden 32): the planner's count follows the
+    query width, and equals what torch counts in a real forward and backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=SEQ, query_pre_attn_scalar=16,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    adapter = adapter_for(model)
+    assert adapter is not None and adapter.model_shape(model, SEQ).q_width == 64
+    x = torch.randint(0, 64, (2, SEQ))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(input_ids=x, labels=x).loss.backward()
+    assert counter.get_total_flops() / x.numel() == pytest.approx(adapter.flops_per_token(model, SEQ), rel=0.01)

@@ -7,7 +7,7 @@ so a recipe's model and the planner's model are one description.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class ModelShape:
     bias: bool = True
     dropout: bool = False  # dropout > 0: masks are kept for backward
     rms_norm: bool = False  # RMSNorm (torch's keeps its input and the normalized input)
+    attention_head_dim: Optional[int] = None  # a head width other than hidden / n_head (Gemma, Qwen3)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> "ModelShape":
@@ -65,22 +66,27 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.n_head
+        return self.attention_head_dim or self.hidden // self.n_head
 
     @property
     def kv_width(self) -> int:
         return self.n_kv_head * self.head_dim
 
     @property
+    def q_width(self) -> int:
+        """The query (and attention output) width: the hidden size unless heads are wider or narrower."""
+        return self.n_head * self.head_dim
+
+    @property
     def layer_matmul_params(self) -> int:
-        """Weights that take part in GEMMs: q, o (h x h), k, v (h x kv), the MLP matrices."""
+        """Weights that take part in GEMMs: q, o (h x q width), k, v (h x kv), the MLP matrices."""
         h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_width + (3 if self.gated_mlp else 2) * h * self.ffn
+        return 2 * h * self.q_width + 2 * h * self.kv_width + (3 if self.gated_mlp else 2) * h * self.ffn
 
     @property
     def layer_sharded_params(self) -> int:
         """A layer's parameters that tensor parallelism splits (matrices and their biases)."""
-        biases = (self.hidden + 2 * self.kv_width + self.ffn) if self.bias else 0
+        biases = (self.q_width + 2 * self.kv_width + self.ffn) if self.bias else 0
         return self.layer_matmul_params + biases
 
     @property
@@ -95,9 +101,9 @@ class ModelShape:
         parameter (DeepSpeed's ZeRO-3 of 2021) issues one collective for."""
         h, b = self.hidden, self.bias
         norm = [float(h)] * (2 if b else 1)
-        qkv_out = h + 2 * self.kv_width
+        qkv_out = self.q_width + 2 * self.kv_width
         mlp_in = (2 if self.gated_mlp else 1) * self.ffn
-        out = norm + [h * qkv_out / tp] + ([qkv_out / tp] if b else []) + [h * h / tp] + ([float(h)] if b else [])
+        out = norm + [h * qkv_out / tp] + ([qkv_out / tp] if b else []) + [self.q_width * h / tp] + ([float(h)] if b else [])
         out += norm + [h * mlp_in / tp] + ([mlp_in / tp] if b else []) + [self.ffn * h / tp] + ([float(h)] if b else [])
         return out
 
@@ -128,8 +134,9 @@ class ModelShape:
         return 2.0 * self.layer_matmul_params + self.attention_forward_flops_per_token()
 
     def attention_forward_flops_per_token(self) -> float:
-        """Scores (q k^T) and values (p v), 2 s h FLOPs each, per token of an ``s``-token sequence."""
-        return 4.0 * self.seq_len * self.hidden
+        """Scores (q k^T) and values (p v), 2 s h FLOPs each (h: the query width), per token of an
+        ``s``-token sequence."""
+        return 4.0 * self.seq_len * self.q_width
 
     def head_forward_flops_per_token(self) -> float:
         return 2.0 * self.hidden * self.vocab

@@ -135,6 +135,7 @@ def config_shape(model: nn.Module, seq_len: int) -> ModelShape:
         learned_positions=any(n.endswith(("wpe", "embed_positions")) for n in names), bias=mlp_bias,
         dropout=max(float(getattr(c, k, 0.0) or 0.0) for k in ("attention_dropout", "hidden_dropout", "resid_pdrop")) > 0,
         rms_norm=any("RMSNorm" in k for k in classes),
+        attention_head_dim=head_dim if isinstance(head_dim := getattr(c, "head_dim", None), int) and head_dim != dims.hidden // dims.n_head else None,
     )
 
 
