@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_3d.collectives import current_compute_device
-from lightning_3d.tensor_parallel.spec import get_spec
+from lightning_3d.tensor_parallel.spec import get_spec, sum_partial_gradients
 from lightning_3d.topology import Topology
 
 MODES: dict[str, tuple[torch.dtype, torch.dtype]] = {  # compute dtype, master dtype
@@ -274,6 +274,8 @@ class ThreeDPrecision(Precision):
         if self.scaler is None and _drives_its_closure(_raw(optimizer)):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # re-runs its closure
         closure_result = closure()
+        # ZeRO-3: gradients of replicated parameters on partial inputs, summed over tp (FSDP2 dropped their hooks)
+        sum_partial_gradients([p for g in _raw(optimizer).param_groups for p in g["params"]], self._device())
         if self.scaler is not None:
             at_floor = self.scaler.at_floor  # the scale this step used
             skip = self.found_overflow(optimizer)

@@ -52,11 +52,14 @@ CAUSES = {
         "each rank's copy got another update. A replicated parameter applied to this rank's part of the work (a "
         "per-head norm on this rank's heads, a bias after a split) gets a partial gradient that must be summed "
         "over tp: give it the style 'sum_gradients' in the tensor-parallel plan (transformers' "
-        "'replicated_with_grad_allreduce'), or split it. Dropout drawn per rank outside an 'rng' region does the same"
+        "'replicated_with_grad_allreduce'), or split it. A dropout on data every tp rank holds alike that draws "
+        "per rank (inside an 'rng' region without 'replicated_rng') makes the copies differ the same way"
     ),
     "tied embedding": (
         "the first and last pipeline stages hold copies of one tied weight, which must receive the sum of both "
-        "stages' gradients; a layer sequence that uses the weight outside its embed or head modules breaks that"
+        "stages' gradients and the same update: optimizer settings chosen by parameter name (a weight-decay group "
+        "that names only one of the two), or a layer sequence that uses the weight outside its embed or head "
+        "modules, break that"
     ),
     "data parallel": (
         "data-parallel replicas must apply the same averaged gradient; something updated them differently (a "
@@ -101,7 +104,7 @@ def auto_every(check_s: float, step_s: float, share: float = COST_SHARE) -> int:
 
 def replica_groups(module: nn.Module, topology: Any, zero_stage: int, pipelines: list[Any]) -> list[_Group]:
     """The copies this rank holds, by group, in the same order on every rank."""
-    named = [(n, p) for n, p in module.named_parameters()]
+    named = [(n, p) for n, p in module.named_parameters()]  # (the same list on every member of each group)
     groups: list[_Group] = []
     if dist.get_world_size(topology.tp_group) > 1:
         held = [(n, p) for n, p in named if (s := get_spec(p)) is None or s.dim is None]
@@ -111,7 +114,7 @@ def replica_groups(module: nn.Module, topology: Any, zero_stage: int, pipelines:
     if tied:
         by_id = {id(p): n for n, p in named}
         groups.append(_Group("tied embedding", topology.embedding_group(), [by_id.get(id(p), "?") for p in tied], tied))
-    if topology.dp_size > 1 and zero_stage < 3:
+    if topology.dp_size > 1 and zero_stage < 3 and named:  # (a stage without parameters: its replicas have none either)
         groups.append(_Group("data parallel", topology.dp_group, [n for n, _ in named], [p for _, p in named]))
     return groups
 
@@ -119,7 +122,8 @@ def replica_groups(module: nn.Module, topology: Any, zero_stage: int, pipelines:
 def _fingerprint(tensors: list[Tensor], device: torch.device) -> Tensor:
     """[L1 norms..., L2 norms...] of the local copies, fp32, on the compute device."""
     local = [_local(t).detach() for t in tensors]
-    norms = [torch.stack(torch._foreach_norm(local, order)).float() for order in (1, 2)]
+    # in fp32 whatever the parameters' dtype: a bf16 norm would hide drift under bf16's resolution (0.4%)
+    norms = [torch.stack(torch._foreach_norm(local, order, dtype=torch.float32)) for order in (1, 2)]
     return torch.cat(norms).to(device)
 
 
@@ -189,14 +193,16 @@ class ReplicaGuard(Callback):
         self._device = device
 
     def check(self, step: int, timed: bool = False) -> None:
-        if self._groups is None or step == self.checked_step:
+        """``timed``: the check "auto" spaces the others by (run even if a checkpoint's check came first)."""
+        if self._groups is None or (step == self.checked_step and not timed):
             return
         self.checked_step = step
         if timed and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # time the check, not the tail of the step queued before it
         start = time.perf_counter()
         verdict = check_replicas(self._groups, self._device, self.rtol)
-        self.check_seconds = time.perf_counter() - start
+        if timed:
+            self.check_seconds = time.perf_counter() - start
         if verdict.first >= 0:
             raise ReplicaDivergence(divergence_message(verdict, step))
 

@@ -102,6 +102,9 @@ def _resume_world(root: str) -> dict[str, Any]:
         "train": lambda: _fit(tiny_gpt(), root, 2, save=True) and sorted(p.name for p in ckpt.iterdir()),
         "mistyped": lambda: _refusal(lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=999.ckpt"))),
         "other_model": lambda: _refusal(lambda: _fit(tiny_gpt(n_embd=64), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
+        # tensors that happen to fit: another head count (the same shapes), fewer layers (a subset of the keys)
+        "other_heads": lambda: _refusal(lambda: _fit(tiny_gpt(n_head=2), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
+        "fewer_layers": lambda: _refusal(lambda: _fit(tiny_gpt(n_layer=1), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
         "resumed": lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"), save=True) and [
             json.loads((ckpt / name / MANIFEST).read_text())["run_id"] for name in ("step=2.ckpt", "step=4.ckpt")
         ],
@@ -125,6 +128,17 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_configuration(resum
     assert "was saved from a different model: its configuration differs: " in message, message
     assert "n_embd=32 in the checkpoint, 64 here" in message and "differ in shape" in message, message
     assert len(message) < 1200  # one message, not a list of shard shapes
+
+
+def test_a_checkpoint_whose_tensors_happen_to_fit_another_model_is_refused(resume_world):
+    """Issue 32: before, another n_head (same tensor shapes) or fewer layers (the extra keys dropped)
+    resumed and trained on, exit 0."""
+    heads = result_of(resume_world, "other_heads")
+    assert heads.startswith("ValueError: checkpoint ") and "was saved from a different model: " in heads, heads
+    assert "GPTConfig.n_head=4 in the checkpoint, 2 here" in heads, heads
+    layers = result_of(resume_world, "fewer_layers")
+    assert "GPTConfig.n_layer=2 in the checkpoint, 1 here" in layers, layers
+    assert "tensor(s) in the checkpoint but not in the model: model.blocks.1." in layers and "strict_loading = False" in layers, layers
 
 
 def test_a_resumed_run_keeps_its_run_id_for_later_saves(resume_world):

@@ -158,11 +158,27 @@ def ring(**kwargs: Any) -> Any:
     return ContextParallel(None, 2, 0, "ring").attention(q, q, q, **kwargs)
 
 
-def hf_context_parallel(kind: str) -> None:
+def hf_context_parallel(model: Any, mode: str = "ring") -> None:
     from lightning_3d.context_parallel.apply import ContextParallel
     from lightning_3d.models.adapters.hf_context_parallel import wire_context_parallel
 
-    wire_context_parallel(hf_model(kind), ContextParallel(None, 2, 0, "ring"))
+    wire_context_parallel(hf_model(model) if isinstance(model, str) else model, ContextParallel(None, 2, 0, mode))
+
+
+def hf_config_model(config_class: str, **config: Any) -> nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(vocab_size=64, hidden_size=32, **config))
+
+
+def hf_attention_with(**kwargs: Any) -> Any:
+    from lightning_3d.context_parallel.apply import ContextParallel
+    from lightning_3d.models.adapters.hf_context_parallel import CP_ATTR, context_parallel_attention
+
+    module = nn.Module()
+    setattr(module, CP_ATTR, ContextParallel(None, 2, 0, "all_to_all"))
+    q = torch.zeros(1, 2, 4, 8)
+    return context_parallel_attention(module, q, q, q, None, **kwargs)
 
 
 def hf_capture() -> Any:
@@ -280,6 +296,10 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "cp-ring-window": raises(ValueError, lambda: ring(window=2)),
     "cp-ring-softcap": raises(ValueError, lambda: hf_context_parallel("gemma2")),
     "cp-hf-padding": raises(ValueError, lambda: hf_before_split()),
+    "cp-hf-ring-sliding": raises(ValueError, lambda: hf_context_parallel("mistral")),
+    "cp-hf-own-attention": raises(ValueError, lambda: hf_context_parallel(hf_config_model("GPTNeoConfig", num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]))),
+    "cp-hf-mask-window": raises(ValueError, lambda: hf_context_parallel(hf_config_model("PhimoeConfig", intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=4, num_local_experts=2), "all_to_all")),
+    "cp-hf-attention-kwarg": raises(ValueError, lambda: hf_attention_with(s_aux=torch.zeros(2))),
     "layout-dp-degree": raises(ValueError, lambda: ThreeDParallelStrategy(data_parallel=0)),
     "layout-world-size": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(data_parallel=3), devices=2)),
     "layout-auto-indivisible": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(tensor_parallel=2), devices=3)),

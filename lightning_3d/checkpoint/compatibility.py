@@ -41,10 +41,26 @@ def model_config(module: nn.Module) -> dict[str, Any]:
     return out
 
 
+DIMS = ("n_layer", "hidden", "n_head", "n_kv_head", "ffn")
+
+
+def model_dims(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """The sizes of every known model inside ``module`` (the adapters' ``ModelDims``), by model name,
+    with the names their users know them by: what a checkpoint of another architecture differs in
+    even when its tensors happen to fit (another head count, fewer layers)."""
+    from lightning_3d.models.adapters.registry import models_in
+
+    out = {}
+    for name, dims in models_in(module):
+        labels = getattr(dims, "labels", {}) or {}
+        out[name] = {key: [int(getattr(dims, key)), labels.get(key, key)] for key in DIMS}
+    return out
+
+
 def model_record(module: nn.Module) -> dict[str, Any]:
     """What a manifest says about the model that wrote it."""
     cls = type(module)
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "config": model_config(module)}
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "config": model_config(module), "dims": model_dims(module)}
 
 
 def dense_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -72,15 +88,56 @@ def stored_shapes(source: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in source.items() if isinstance(v, Tensor)}
 
 
-def check_compatible(module: nn.Module, checkpoint: Mapping[str, Any]) -> None:
-    """Refuse, in one message, a checkpoint whose tensors do not fit ``module``, naming the
-    configuration values that differ (sharded: the manifest's model record; consolidated: the
-    saved hyper-parameters)."""
+def _holds_every_layer(module: nn.Module) -> bool:
+    """False on a pipeline stage (other stages' layers are stubs): its keys are a subset by design."""
+    return not any(type(m).__name__ == "PipelineStub" for m in module.modules())
+
+
+def _architecture_refusal(module: nn.Module, checkpoint: Mapping[str, Any], strict: bool) -> str:
+    """Why the checkpoint is of another architecture although no tensor shape tells (or "")."""
+    source = checkpoint["state_dict"]
+    reader = getattr(source, "checkpoint", None)
+    ours, theirs = dense_shapes(module), stored_shapes(source)
+    reasons = []
+    saved = (reader.manifest.get("model") or {}).get("dims") if reader is not None else None
+    if saved:
+        here = model_dims(module)
+        for name in sorted(set(saved) & set(here)):
+            for key in DIMS:
+                (old, label), (new, _) = saved[name][key], here[name][key]
+                if old != new:
+                    reasons.append(f"{label}={old} in the checkpoint, {new} here" + (f" (model {name!r})" if name else ""))
+    if strict:
+        missing = sorted(n for n in ours if n not in theirs)
+        unexpected = sorted(n for n in theirs if n not in ours) if _holds_every_layer(module) else []
+        for what, names in (("missing from the checkpoint", missing), ("in the checkpoint but not in the model", unexpected)):
+            if names:
+                shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+                reasons.append(f"{len(names)} tensor(s) {what}: {shown}")
+    if not reasons:
+        return ""
+    return (
+        (f"checkpoint {reader.path}" if reader is not None else "the checkpoint")
+        + " was saved from a different model: " + "; ".join(reasons) + ". Build the model with the checkpoint's "
+        "configuration, or start from a checkpoint of this model (to load a subset on purpose, set the "
+        "LightningModule's strict_loading = False)."
+    )
+
+
+def check_compatible(module: nn.Module, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    """Refuse, in one message, a checkpoint that is not of ``module``'s architecture: tensors that do
+    not fit (naming the configuration values that differ: sharded, the manifest's model record;
+    consolidated, the saved hyper-parameters), other model sizes recorded in the manifest (another
+    head count whose tensors happen to fit), and -- with ``strict`` -- tensors the model has and
+    the checkpoint lacks or the reverse (fewer layers)."""
     source = checkpoint["state_dict"]
     reader = getattr(source, "checkpoint", None)
     ours, theirs = dense_shapes(module), stored_shapes(source)
     wrong = [(n, theirs[n], ours[n]) for n in ours if n in theirs and theirs[n] != ours[n]]
     if not wrong:
+        refusal = _architecture_refusal(module, checkpoint, strict)
+        if refusal:
+            raise ValueError(refusal)
         return
     saved = (reader.manifest.get("model") or {}) if reader is not None else {"config": checkpoint.get("hyper_parameters") or {}}
     there: dict[str, Any] = {}

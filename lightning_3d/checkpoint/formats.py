@@ -135,7 +135,7 @@ class CheckpointFormat:
         yet, for the strategy to hand over once they do."""
         module = job.module
         assert module is not None
-        check_compatible(module, checkpoint)  # one clear message before any shard-shape error
+        check_compatible(module, checkpoint, strict)  # one clear message before any shard-shape error
         source = checkpoint["state_dict"]
         source = getattr(source, "dense", source)  # a sharded checkpoint: the dense tensors behind the local view
         dense = {k: source[k] for k in module.state_dict().keys() if k in source}  # other stages' layers skipped

@@ -199,47 +199,53 @@ class SharedEntry:
     so its gradient is not summed over tp. Under sequence parallelism the module's first input is
     all-gathered at its entry (its own code then sees whole sequences), and that gathered tensor is
     the prepared input of the column layers reading it; a column layer reading anything else enters
-    by a copy. The table lives only while the module's forward runs (no tensor outlives it here)."""
+    by a copy. The table lives only while the module's forward runs (opened and closed around it,
+    also when recompute re-runs it or stops it early), so no tensor outlives the forward here."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.entered: dict[int, tuple[Tensor, Tensor]] = {}
+        self.depth = 0
 
     def enter(self, x: Tensor) -> Tensor:
         known = self.entered.get(id(x))
         if known is not None and known[0] is x:
             return known[1]
         entered = copy_to_tensor_parallel(x, self.group)
-        self.entered[id(x)] = (x, entered)
+        if self.depth:  # (outside the module's forward nothing is kept)
+            self.entered[id(x)] = (x, entered)
         return entered
+
+    def gather(self, x: Tensor) -> Tensor:
+        """Sequence parallelism: the module's input, whole, already inside the region."""
+        gathered = gather_for_column_parallel(x, self.group)
+        self.entered[id(gathered)] = (gathered, gathered)
+        return gathered
 
 
 class ShareEntry(Style):
     names: tuple[str, ...] = ("hidden_states", "x", "input")
 
     def apply(self, module: nn.Module, ctx: PlanContext) -> None:
-        scope = SharedEntry(ctx.tp_group)
+        scope = SharedEntry(ctx.tp_group, ctx.sequence_parallel)
+        original = module.forward
 
-        def begin(mod: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-            scope.entered.clear()
-            for child in mod.children():
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            for child in module.children():
                 if isinstance(child, ColumnParallelLinear) and not child.input_is_prepared:
                     child.shared_entry = scope
-            if not ctx.sequence_parallel:
-                return None
+            scope.depth += 1
+            try:
+                if scope.sequence_parallel:
+                    args, kwargs = _map_first_input(args, kwargs, scope.gather, self.names)
+                return original(*args, **kwargs)
+            finally:
+                scope.depth -= 1
+                if not scope.depth:
+                    scope.entered.clear()
 
-            def gather(x: Tensor) -> Tensor:
-                gathered = gather_for_column_parallel(x, ctx.tp_group)
-                scope.entered[id(gathered)] = (gathered, gathered)  # already inside the region
-                return gathered
-
-            return _map_first_input(args, kwargs, gather, self.names)
-
-        def end(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            scope.entered.clear()
-
-        module.register_forward_pre_hook(begin, with_kwargs=True)
-        module.register_forward_hook(end, with_kwargs=True)
+        module.forward = forward  # type: ignore[method-assign]
         module._tp_shared_entry = scope  # type: ignore[attr-defined]  (what runs inside sees whole sequences)
 
 

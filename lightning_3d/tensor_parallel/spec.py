@@ -108,6 +108,29 @@ def mark_sequence_parallel(param: Tensor, group: dist.ProcessGroup) -> None:
     param.sequence_parallel_hook = hook  # type: ignore[attr-defined]
 
 
+PARTIAL_ATTR = "tp_partial_gradient"  # a parameter whose gradient hook a wrapper dropped (ZeRO-3): its tp group
+
+
+def sum_partial_gradients(params: list[Tensor], device: torch.device) -> int:
+    """Sum over tp the gradients of replicated parameters that see partial inputs, where their hook
+    could not do it: FSDP2 (ZeRO-3) swaps the Parameter objects and writes the reduced-scattered
+    shard's ``.grad`` itself, so the :class:`SumOverGroup` hook is gone. The sum of the dp-averaged
+    shards over tp equals the dp average of the tp sums (both linear); done once per optimizer step,
+    in parameter order (every tp peer holds the same parameters). Returns how many were summed."""
+    count = 0
+    for p in params:
+        group = getattr(p, PARTIAL_ATTR, None)
+        if group is None or p.grad is None:
+            continue
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        moved = local.to(device)
+        dist.all_reduce(moved, group=group)
+        if moved is not local:
+            local.copy_(moved)
+        count += 1
+    return count
+
+
 def shard_tensor(full: Tensor, dim: int, world: int, rank: int, num_blocks: int = 1, padded_size: Optional[int] = None) -> Tensor:
     """This rank's shard of a dense tensor (padding the split dimension with zeros if asked)."""
     if padded_size is not None and padded_size > full.shape[dim]:

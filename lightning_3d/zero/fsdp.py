@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_3d.strict_comm import mark_host
-from lightning_3d.tensor_parallel.spec import get_spec, set_spec
+from lightning_3d.tensor_parallel.spec import PARTIAL_ATTR, get_spec, set_spec
 
 
 def fsdp_units(root: nn.Module) -> list[nn.Module]:
@@ -51,6 +51,11 @@ def apply_zero3(
             f"directly ({names}); move them into a submodule."
         )
     specs = {name: get_spec(p) for name, p in root.named_parameters(remove_duplicate=False)}
+    # parameters whose gradients a hook sums over tp (SumOverGroup): FSDP2's new parameters lose the hook
+    root._partial_gradient_groups = {  # type: ignore[assignment]
+        name: hook.group for name, p in root.named_parameters(remove_duplicate=False)
+        if (hook := getattr(p, "sequence_parallel_hook", None)) is not None
+    }
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     extra: dict[str, Any] = {}
     if cpu_offload:  # sharded parameters and gradients in host memory; the optimizer step runs there
@@ -73,10 +78,13 @@ def restore_specs(root: nn.Module) -> None:
     parameter without its spec would be saved as if every tp rank held the whole tensor. Under CPU
     offload the new parameters are marked as host memory for strict mode."""
     specs = getattr(root, "_tensor_parallel_specs", {})
+    partial = getattr(root, "_partial_gradient_groups", {})
     offloaded = getattr(root, "_zero3_cpu_offload", False)
     for name, p in root.named_parameters(remove_duplicate=False):
         if specs.get(name) is not None and get_spec(p) is None:
             set_spec(p, specs[name])
+        if name in partial and getattr(p, "sequence_parallel_hook", None) is None:
+            setattr(p, PARTIAL_ATTR, partial[name])  # summed over tp before each optimizer step instead
         if offloaded:  # strict mode: these shards (and their gradients) are host memory on a GPU machine
             mark_host(p, f"ZeRO-3 CPU offload: the shard of {name} (and its gradient) lives on the host")
 

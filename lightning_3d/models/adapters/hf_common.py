@@ -54,7 +54,10 @@ def _hf_head(model: nn.Module, norm: nn.Module) -> Callable[[Tensor, Inputs], He
         logits = model.lm_head(norm(x))
         if batch["labels"] is None:
             return HeadOutput(logits=logits)
-        return HeadOutput(loss=model.loss_function(logits=logits, labels=batch["labels"], vocab_size=model.config.vocab_size))
+        loss = model.loss_function(  # shift_labels: shifted on whole sequences before a context-parallel cut
+            logits=logits, labels=batch["labels"], vocab_size=model.config.vocab_size, shift_labels=batch.get("shift_labels")
+        )
+        return HeadOutput(loss=loss)
 
     return head
 

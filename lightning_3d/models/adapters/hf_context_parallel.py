@@ -19,9 +19,11 @@ and each is handled where the model would otherwise see the cut:
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from lightning_3d.context_parallel.apply import ContextParallel
 
 ATTENTION = "lightning_3d_context_parallel"
+# attention-function arguments that change what attention computes and that the cp kernels do not take
+UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "attention_chunk_size", "chunk_size", "attn_bias")
 CP_ATTR = "_lightning_3d_context_parallel"
 SAVED_ATTR = "_lightning_3d_attn_implementation"
 
@@ -45,6 +49,13 @@ def context_parallel_attention(
             f"{type(module).__name__} calls lightning_3d's context-parallel attention outside a context-parallel set-up; "
             f"set the model's attn_implementation back (e.g. 'sdpa')."
         )
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k in UNSUPPORTED_KWARGS)
+    if unknown or kwargs.get("is_causal") is False:
+        raise ValueError(
+            f"context_parallel={cp.size}: {type(module).__name__} asks its attention for {unknown or ['is_causal=False']} "
+            f"(attention sinks, position biases, chunks or bidirectional attention), which context-parallel attention "
+            f"does not compute; use context_parallel=1."
+        )
     total = query.shape[2] * cp.size
     window = sliding_window if sliding_window is not None and sliding_window < total else None
     out = cp.attention(query, key, value, dropout, scale=scaling, window=window, softcap=softcap)
@@ -59,7 +70,10 @@ def before_split(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     batch, length = ids.shape
     mask = kwargs.get("attention_mask")
     if mask is not None:
-        if not bool(mask.bool().all()):
+        padded = (~mask.bool()).any().to(torch.int32).reshape(1)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(padded, op=dist.ReduceOp.MAX)  # every rank refuses together (none waits in a collective)
+        if bool(padded.item()):
             raise ValueError(
                 "context parallelism takes no padding mask (attention is causal over whole sequences on every rank): "
                 "pack sequences to full length, or use context_parallel=1 for padded batches."
@@ -73,9 +87,59 @@ def before_split(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' attention modules (``self_attn`` / ``attn`` / ``attention``)."""
+    out = []
+    for module in model.modules():
+        for name in ("self_attn", "attn", "attention"):
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Module) and child is not module and child not in out:
+                out.append(child)
+    return out
+
+
+def _windows(config: Any) -> tuple[bool, bool]:
+    """(sliding layers, chunked layers) the config declares."""
+    types = set(getattr(config, "layer_types", None) or ())
+    sliding = "sliding_attention" in types or (
+        not types and getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    )
+    chunked = "chunked_attention" in types or getattr(config, "attention_chunk_size", None) is not None
+    return sliding, chunked
+
+
 def _refusals(model: nn.Module, cp: "ContextParallel") -> list[str]:
     config = model.config
     out = []
+    attentions = _attention_modules(model)
+    sources = {type(a): _source(type(a)) for a in attentions}
+    own = sorted({c.__name__ for c, src in sources.items() if "ALL_ATTENTION_FUNCTIONS" not in src and "attention_interface" not in src})
+    if not attentions or own:
+        out.append(
+            f"attention modules {own or '(none found)'} that compute attention themselves instead of through "
+            f"transformers' attention interface, which is where context parallelism attends over the whole sequence"
+        )
+    passes_window = all("sliding_window" in src for src in sources.values())
+    sliding, chunked = _windows(config)
+    if chunked:
+        out.append("chunked attention layers (attention_chunk_size / layer_types), which context-parallel attention has not")
+    if sliding and not passes_window:
+        out.append("sliding-window layers whose window is only in their mask, which context-parallel attention never sees")
+    elif sliding and cp.mode == "ring":
+        out.append(
+            f"sliding-window layers (sliding_window={getattr(config, 'sliding_window', None)}), which the ring cannot "
+            f"compute (its blocks are causal or full); context_parallel_mode='all_to_all' computes them (or set "
+            f"sliding_window=None if the window is at least the sequence length)"
+        )
+    if any("s_aux" in src or "sinks" in src for src in sources.values()):
+        out.append("attention sinks, which context-parallel attention has not")
     for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
         rate = float(getattr(config, name, 0.0) or 0.0)
         if rate > 0:

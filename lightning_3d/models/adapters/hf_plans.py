@@ -34,11 +34,13 @@ from lightning_3d.tensor_parallel.plans import (
     Column,
     PlanContext,
     Row,
+    Style,
     StyleSpec,
     VocabEmbedding,
     gather_logits_hook,
     mark_sequence_sharded_replicas,
 )
+from lightning_3d.tensor_parallel.random import run_forward_in_rng_region, run_forward_outside_rng_region
 
 HF_STYLES: dict[str, StyleSpec] = {
     "colwise": "column",
@@ -54,6 +56,27 @@ HF_STYLES: dict[str, StyleSpec] = {
 COLUMNS = ("colwise", "colwise_gather_output", "packed_colwise")
 # those that split heads: the parent also draws dropout from a per-rank stream (this rank's heads)
 SPLITS_HEADS = ("colwise", "packed_colwise")
+
+
+class HeadsRNG(Style):
+    """Randomness of a module that computes on this rank's heads (attention, MLP): what it draws
+    itself -- attention-probability dropout inside the attention function -- comes from a per-rank
+    stream, while its dropout *modules* draw from the replicated one: in these families they act
+    after the row-parallel reduction, on the residual stream every tp rank holds alike (Starcoder2's
+    ``residual_dropout``). Under sequence parallelism that stream is a different shard on each rank,
+    so everything inside stays per-rank."""
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> None:
+        if ctx.tracker is None:
+            raise ValueError("tensor-parallel randomness needs an RNGStatesTracker in the plan context.")
+        run_forward_in_rng_region(module, ctx.tracker)
+        if not ctx.sequence_parallel:
+            for sub in module.modules():
+                if isinstance(sub, nn.Dropout):
+                    run_forward_outside_rng_region(sub, ctx.tracker)
+
+
+HEADS_RNG = HeadsRNG()
 
 
 class PlanRefused(ValueError):
@@ -99,8 +122,8 @@ def translate_tp_plan(
         styles[pattern] = HF_STYLES[style]
         if style in COLUMNS:  # one entry per input tensor (under SP: whole sequences inside the parent)
             parent = styles.setdefault(_parent(pattern), ["share_entry"])
-            if style in SPLITS_HEADS and "rng" not in parent:
-                parent.append("rng")
+            if style in SPLITS_HEADS and HEADS_RNG not in parent:
+                parent.append(HEADS_RNG)
     if embed_name:
         if embedding_style is not None:
             styles[embed_name] = embedding_style

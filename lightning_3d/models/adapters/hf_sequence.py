@@ -292,6 +292,9 @@ def pipeline_plan(model: nn.Module, plan: Optional[dict[str, Any]]) -> tuple[Opt
                 f"stage without it could not rebuild the layers' inputs)"
             )
     base, _, inner = layers.partition(".")
+    unnamed = [f"{base}.{n}" for n, m in model.get_submodule(base).named_children() if f"{base}.{n}" not in names and _has_parameters(m)]
+    if unnamed:  # kept on every stage, updated by one: refuse rather than train copies that drift
+        return None, f"{unnamed} hold weights but are not in its pipeline plan (which stage runs them is unknown)"
     embed = tuple(n for n in before if (m := _find(model, n)) is not None and _has_parameters(m))
     head = [n for n in after if (m := _find(model, n)) is not None and _has_parameters(m)]
     head += [n for n, m in model.named_children() if n != base and n not in head and _has_parameters(m)]
