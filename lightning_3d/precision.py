@@ -217,6 +217,7 @@ class ThreeDPrecision(Precision):
         self.max_consecutive_nonfinite = limit
         self._consecutive: dict[int, int] = {}  # per optimizer: non-finite steps in a row (that count)
         self._skipped = 0  # skipped steps without a loss scaler (the scaler counts its own)
+        self._warned_first_skip = False
         self._clip_norm: dict[int, Tensor] = {}  # per optimizer: this step's global gradient norm, if clipped
         self.precision = precision
         self.compute_dtype, self.master_dtype = MODES[precision]
@@ -300,6 +301,15 @@ class ThreeDPrecision(Precision):
         self._after_step(optimizer, model, counts)
         return closure_result
 
+    def summarize_skipped(self, steps: int) -> Optional[str]:
+        """The end-of-fit line about skipped steps (None when none was skipped)."""
+        if not self.skipped_steps:
+            return None
+        return (
+            f"lightning_3d: {self.skipped_steps} of {steps} optimizer steps were skipped (non-finite loss or gradients "
+            f"under precision={self.precision!r}); the weights never took those updates."
+        )
+
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because of a non-finite loss or gradients (all optimizers)."""
@@ -311,6 +321,14 @@ class ThreeDPrecision(Precision):
         key = id(_raw(optimizer))
         self._consecutive[key] = self._consecutive.get(key, 0) + 1 if counts else 0
         self._log(model)
+        if self.skipped_steps == 1 and not self._warned_first_skip:  # said once, whatever logger or bar is on
+            self._warned_first_skip = True
+            trainer = getattr(model, "_trainer", None)
+            step = f"global step {trainer.global_step}" if trainer is not None else "an optimizer step"
+            rank_zero_warn(
+                f"lightning_3d: {step} was skipped: its loss or gradients were not finite (inf/NaN) under "
+                f"precision={self.precision!r}; further skips are counted (skipped_steps) and summarised when fit ends."
+            )
         limit, run = self.max_consecutive_nonfinite, self._consecutive[key]
         if limit is None or run < limit:
             return

@@ -589,6 +589,11 @@ class ThreeDParallelStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         self._format.finalize()  # an asynchronous save is committed before fit returns
+        precision = self.precision_plugin
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        line = precision.summarize_skipped(trainer.global_step if trainer is not None else 0) if isinstance(precision, ThreeDPrecision) else None
+        if line:
+            rank_zero.warn(line)
 
     def teardown(self) -> None:
         self._format.close()

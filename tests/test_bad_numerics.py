@@ -266,6 +266,11 @@ def test_transient_nan_steps_are_skipped_counted_and_training_continues(ranks):
         assert r["skipped"] == 2
         assert r["callback_metrics"]["skipped_steps"] == 2.0 and r["progress_bar"]["skipped_steps"] == 2.0
         assert math.isfinite(r["callback_metrics"]["train_loss"])
+    # issue 32: with the logger and progress bar off (quiet_trainer) the run still says so, on rank zero
+    said = _errors(ranks, "fp32_transient_nan")[0]["warnings"]
+    first = [w for w in said if "was skipped: its loss or gradients were not finite" in w]
+    summary = [w for w in said if "2 of 6 optimizer steps were skipped" in w]
+    assert len(first) == 1 and "global step 2" in first[0] and len(summary) == 1, said
 
 
 def test_token_file_with_a_larger_vocabulary_is_refused_at_setup(ranks):

@@ -93,9 +93,22 @@ def test_a_failed_export_leaves_the_previous_one(tmp_path: Path) -> None:
 def test_an_unrelated_directory_is_never_replaced(tmp_path: Path) -> None:
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="does not look like a Hugging Face model directory"):
+    with pytest.raises(FileExistsError, match=r"holds files an export does not write \(todo.txt\)"):
         _write(tmp_path / "notes", _tensors(), "5GB")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_a_model_directory_with_the_users_files_is_never_replaced(tmp_path: Path) -> None:
+    """Issue 32: exporting into a cloned model repository (config.json and weights, but also .git, a
+    README and notes) deleted them with the old export. Only a directory of export files is replaced."""
+    repo = tmp_path / "repo"
+    _write(repo, _tensors(), "5GB")  # a previous export: replaced freely
+    _write(repo, _tensors(), "5GB")
+    (repo / ".git").mkdir()
+    (repo / "README.md").write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"holds files an export does not write \(\.git, README\.md\).*delete"):
+        _write(repo, _tensors(), "5GB")
+    assert (repo / "README.md").read_text() == "my notes" and (repo / ".git").is_dir()
 
 
 # -- export_hf from sharded checkpoints --------------------------------------------------------------------

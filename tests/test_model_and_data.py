@@ -132,3 +132,22 @@ def test_prepare_writes_a_memory_mapped_token_file(tmp_path):
 def test_missing_token_file_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="lightning-3d prepare"):
         read_token_file(tmp_path / "nope.bin")
+
+
+def test_prepare_never_overwrites_its_input_or_a_file_it_did_not_write(tmp_path):
+    """Issue 32: `lightning-3d prepare X X` overwrote the text with its tokens, and a text file given as a
+    token file was answered with that very command."""
+    text = tmp_path / "notes.txt"
+    text.write_text("keep me")
+    with pytest.raises(ValueError, match="is also an input: writing it would overwrite the text"):
+        prepare_byte_tokens([text], text)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"not ours")
+    with pytest.raises(FileExistsError, match="is not a token file written by `lightning-3d prepare`"):
+        prepare_byte_tokens([text], other)
+    assert text.read_text() == "keep me" and other.read_bytes() == b"not ours"
+    prepare_byte_tokens([text], tmp_path / "notes.bin")
+    prepare_byte_tokens([text], tmp_path / "notes.bin")  # a token file of ours is replaced
+    with pytest.raises(FileNotFoundError) as info:
+        read_token_file(text)
+    assert "is not a token file (it has no" in str(info.value) and f"prepare {tmp_path / 'notes.bin'} {text}" in str(info.value)

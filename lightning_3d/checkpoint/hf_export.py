@@ -276,7 +276,7 @@ def export_hf(
         floating = [i.dtype for i in infos if i.dtype.is_floating_point]
         config.dtype = max(set(floating), key=floating.count) if floating else torch.float32
     copied: list[str] = []
-    with staged_directory(out_dir) as tmp:
+    with staged_directory(out_dir, also_written=TOKENIZER_FILES) as tmp:
         config.save_pretrained(str(tmp))
         written = write_sharded(tmp, infos, produce, max_shard_size)
         if tokenizer is None:

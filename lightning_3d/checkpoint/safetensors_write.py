@@ -160,20 +160,30 @@ def write_sharded(
 _EXPORT_MARKERS = ("config.json", SINGLE_NAME, INDEX_NAME)
 
 
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def written_by_export(name: str, also: tuple[str, ...] = ()) -> bool:
+    """Whether a file of this name is one an export writes (so replacing it loses nothing of the user's)."""
+    return name in (*_EXPORT_MARKERS, *also) or SHARD_NAME.fullmatch(name) is not None
+
+
 @contextlib.contextmanager
-def staged_directory(out_dir: Union[str, Path]) -> Iterator[Path]:
+def staged_directory(out_dir: Union[str, Path], also_written: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yield a temporary sibling of ``out_dir`` to fill; on success it replaces ``out_dir`` (two
-    renames), on error it is removed. A directory that holds something other than a model export is
-    never replaced: a typo must not delete unrelated files."""
+    renames), on error it is removed. Only a directory that holds nothing but what an export writes
+    (config, weights, index; ``also_written``: e.g. tokenizer files) is replaced: anything else in it
+    -- a ``.git``, a README, notes -- would be deleted with it, so that is refused by name."""
     final = Path(out_dir).absolute()
     if final.exists():
         if not final.is_dir():
             raise FileExistsError(f"{final} exists and is not a directory; choose another output directory.")
-        children = list(final.iterdir())
-        if children and not any((final / marker).exists() for marker in _EXPORT_MARKERS):
+        foreign = sorted(p.name for p in final.iterdir() if not written_by_export(p.name, also_written))
+        if foreign:
+            shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
             raise FileExistsError(
-                f"{final} is not empty and does not look like a Hugging Face model directory (no config.json or "
-                f"weights); export into a new directory, or remove it first."
+                f"{final} holds files an export does not write ({shown}); replacing the directory would delete "
+                f"them. Export into a new directory, or move them out first."
             )
     final.parent.mkdir(parents=True, exist_ok=True)
     stamp = f"{os.getpid()}-{time.time_ns()}"

@@ -121,6 +121,11 @@ def read_token_file(path: Union[str, Path]) -> tuple[np.ndarray, dict]:
     """Memory-map a token file written by :func:`write_token_file`; returns (tokens, metadata)."""
     path = Path(path)
     meta_file = _meta_path(path)
+    if path.is_file() and not meta_file.is_file():  # (text given where tokens are expected: do not suggest overwriting it)
+        raise FileNotFoundError(
+            f"{path} is not a token file (it has no {meta_file.name}); to train on its text, write a token file "
+            f"beside it: `lightning-3d prepare {path.with_suffix('.bin')} {path}`, and pass that."
+        )
     if not path.is_file() or not meta_file.is_file():
         raise FileNotFoundError(
             f"token file {path} (and its {meta_file.name}) not found; create one with "
@@ -169,6 +174,16 @@ def prepare_byte_tokens(
     out: Union[str, Path],
     suffixes: tuple[str, ...] = (".txt", ".md", ".py", ".rst"),
 ) -> dict:
-    """Tokenize text files as bytes (vocab 256) into one token file; returns its metadata."""
-    data = b"".join(path.read_bytes() for path in _text_files(inputs, suffixes))
+    """Tokenize text files as bytes (vocab 256) into one token file; returns its metadata. The output
+    replaces only a token file this function wrote: never an input, never another file."""
+    files = _text_files(inputs, suffixes)
+    target = Path(out).absolute()
+    if any(f.absolute() == target for f in files):
+        raise ValueError(f"the output {out} is also an input: writing it would overwrite the text; choose another output, e.g. {target.with_suffix('.bin')}.")
+    if target.exists() and not (target.is_file() and _meta_path(target).is_file()):
+        raise FileExistsError(
+            f"{out} exists and is not a token file written by `lightning-3d prepare` (no {_meta_path(target).name} beside it); "
+            f"choose another output, or remove it first."
+        )
+    data = b"".join(path.read_bytes() for path in files)
     return write_token_file(np.frombuffer(data, dtype=np.uint8), out, vocab_size=256, tokenizer="bytes")
