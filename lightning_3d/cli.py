@@ -214,8 +214,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _run(command: str, call: Callable[[], Optional[int]]) -> int:
     """Run a subcommand; a user error prints one line and exits 2, anything else keeps its traceback
     (``LIGHTNING_3D_TRACEBACK=1`` shows it for user errors too)."""
+    from lightning_3d.preemption import EXIT_CODE, TrainingInterrupted
+
     try:
         return call() or 0
+    except TrainingInterrupted as interrupted:  # SIGTERM: the checkpoint is written; exit as a scheduler expects
+        print(f"lightning-3d {command}: {interrupted}", file=sys.stderr, flush=True)
+        return EXIT_CODE
     except _user_errors() as err:
         if os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
             raise

@@ -57,6 +57,7 @@ from lightning_3d.launch_guard import GuardedMultiProcessingLauncher, GuardedSub
 from lightning_3d.parallelize import parallelize
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.precision import ThreeDPrecision, adopt_precision
+from lightning_3d.preemption import PreemptionHandler, TrainingInterrupted
 from lightning_3d.replica_guard import ReplicaGuard, parse_every
 from lightning_3d.tensor_parallel.plans import TensorParallelPlan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker, agree_on_random_state, seed_tracker
@@ -203,6 +204,7 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self._format = checkpoint_format_for(checkpoint_format, async_checkpoint, keep_last_k)
         self._health_check = health_check
         self._replica_guard = ReplicaGuard(replica_check_every) if parse_every(replica_check_every) else None
+        self._preemption = PreemptionHandler()
         self._monitor: Optional[HealthMonitor] = None
         self._pipelines: list[PipelineRuntime] = []
         self._rng_tracker: Optional[RNGStatesTracker] = None
@@ -366,6 +368,11 @@ class ThreeDParallelStrategy(ParallelStrategy):
             self._install_replica_guard(trainer)
 
     def _install_replica_guard(self, trainer: Trainer) -> None:
+        """The callbacks the strategy brings while fitting: the SIGTERM handling (a checkpoint at the
+        signal's step, every rank together) and the replica guard."""
+        if self._preemption not in trainer.callbacks:
+            trainer.callbacks.append(self._preemption)
+        self._preemption.bind(self.root_device)
         guard = self._replica_guard
         if guard is None:
             return
@@ -583,6 +590,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that failed, once for the job: a collective error here usually means a peer died
         (lightning_3d/fault.py: the first failure is claimed in the store; the others print one line)."""
+        if isinstance(exception, TrainingInterrupted):
+            return  # every rank stopped together at a scheduler's signal, after a checkpoint: not a failure
         mark_failed()
         if self._monitor is not None:
             self._monitor.report(exception)

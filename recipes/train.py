@@ -10,6 +10,7 @@
 """
 
 import json
+import sys
 from pathlib import Path
 
 import hydra
@@ -19,13 +20,18 @@ from omegaconf import DictConfig
 
 import lightning_3d  # noqa: F401  (registers the "3d" strategy)
 from lightning_3d.launch_guard import end_multirun_job
+from lightning_3d.preemption import EXIT_CODE, TrainingInterrupted
 from lightning_3d.recipe import CONF_DIR, train
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run = HydraConfig.get()
-    summary = train(cfg, Path(run.runtime.output_dir))
+    try:
+        summary = train(cfg, Path(run.runtime.output_dir))
+    except TrainingInterrupted as interrupted:  # SIGTERM from a scheduler: checkpoint written, say so, exit 143
+        print(interrupted, file=sys.stderr, flush=True)
+        sys.exit(EXIT_CODE)
     if run.mode == RunMode.MULTIRUN:  # the sweep's next job runs in this process: it launches its own ranks
         end_multirun_job()
     if summary is not None:

@@ -5,6 +5,9 @@
           | freeze_in_training   rank $FAULT_RANK (default: the last) stops itself (SIGSTOP) at step 3
           | raise_in_training    rank $FAULT_RANK (default: every rank) raises ValueError at step 3
           | slow                 every step sleeps 0.5 s, until killed (for a test that kills rank 0 from outside)
+          | sigterm              12 steps of 0.4 s (a test sends SIGTERM part-way); exit 143 when interrupted
+          | resume               the same 12-step run resumed from $RESUME_FROM
+          | full12               the same 12-step run, uninterrupted (the reference)
 
 With RANK in the environment the process is one rank of a job started by hand or by torchrun;
 without it, it is rank 0 and Lightning's launcher starts DEVICES - 1 more (start_method="popen").
@@ -25,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_3d.checkpoint.manager as manager
 from lightning_3d import ThreeDParallelStrategy
+from lightning_3d.preemption import EXIT_CODE, TrainingInterrupted
 from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
@@ -56,6 +60,8 @@ class Record(L.Callback):
             raise ValueError(f"a bug in the training step (step {step})")
         if mode == "slow":
             time.sleep(0.5)
+        if mode == "sigterm":
+            time.sleep(0.4)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, i):  # noqa: ANN001
         with open(out / f"rank{trainer.global_rank}.jsonl", "a") as f:
@@ -77,7 +83,7 @@ if mode == "kill_in_save" and os.environ.get("RANK") == "1":  # die half-way thr
 L.seed_everything(0)
 checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}", save_last=True)
 trainer = quiet_trainer(
-    max_steps=10**6 if mode == "slow" else 8,
+    max_steps=10**6 if mode == "slow" else 12 if mode in ("sigterm", "resume", "full12") else 8,
     limit_val_batches=0,
     enable_checkpointing=mode != "slow",  # (slow runs until killed: no pile of checkpoints)
     callbacks=[Record()] + ([] if mode == "slow" else [checkpoint]),
@@ -85,4 +91,9 @@ trainer = quiet_trainer(
     **({} if launched_by_hand else {"devices": devices or 2, "num_nodes": 1}),
 )
 batch = 8 if launched_by_hand else 2 * (devices or 2)
-trainer.fit(tiny_gpt(lr=3e-3), tiny_data(global_batch_size=batch), ckpt_path="last" if mode == "elastic" else None)
+resume_from = "last" if mode == "elastic" else os.environ.get("RESUME_FROM") if mode == "resume" else None
+try:
+    trainer.fit(tiny_gpt(lr=3e-3), tiny_data(global_batch_size=batch), ckpt_path=resume_from)
+except TrainingInterrupted as interrupted:  # what a script does to exit as a scheduler expects
+    print(interrupted, flush=True)
+    sys.exit(EXIT_CODE)
