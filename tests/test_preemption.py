@@ -58,6 +58,7 @@ def test_sigterm_writes_a_checkpoint_at_the_step_and_exits_saying_interrupted(in
     assert job.ended - job.signalled < STOP_S
     said = [line for line in job.output().splitlines() if "training interrupted by" in line]
     assert said and "is complete. Resume with trainer.fit(..., ckpt_path=" in said[0], job.output()[-4000:]
+    assert any("training interrupted by signal SIGTERM at step" in line for line in said)  # rank 0 got it
     saved = sorted((job.out / "ckpt").glob("interrupted-step=*.ckpt"))
     assert len(saved) == 1 and (saved[0] / MANIFEST).is_file(), sorted(p.name for p in (job.out / "ckpt").iterdir())
     step = int(saved[0].name.split("=")[1].split(".")[0])
