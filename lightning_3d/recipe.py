@@ -124,6 +124,36 @@ def build_data(cfg: DictConfig) -> TextDataModule:
     return TextDataModule(block_size=cfg.model.block_size, **_plain(cfg.data))
 
 
+def resolve_ckpt_path(ckpt_path: Optional[str], out_dir: Path) -> Optional[str]:
+    """What ``ckpt_path=last`` means for a recipe run: the newest complete checkpoint of this run's
+    directory, else of the runs beside it (Hydra gives every run a new ``outputs/<date>/<time>``, so
+    Lightning's own "last" would look in an empty directory and start from step 0 in silence). No
+    checkpoint anywhere is an error naming where it looked; other values are returned unchanged."""
+    if ckpt_path != "last":
+        return ckpt_path
+    from lightning_3d.checkpoint.sharded import complete_checkpoints, read_manifest
+
+    def written(directory: Path) -> list[tuple[float, Path]]:  # (when written, path): sharded dirs and dense files
+        sharded = [(float(read_manifest(c).get("created", 0.0)) or c.stat().st_mtime, c) for c, _ in complete_checkpoints(directory)]
+        dense = [(f.stat().st_mtime, f) for f in directory.glob("*.ckpt") if f.is_file()] if directory.is_dir() else []
+        return sharded + dense
+
+    own = out_dir / "checkpoints"
+    root = out_dir.parent.parent  # outputs/<date>/<time> -> outputs
+    candidates = written(own) or [c for d in sorted(root.glob("*/*/checkpoints")) for c in written(d)]
+    if not candidates:
+        raise ValueError(
+            f"ckpt_path=last: no complete checkpoint in this run's {own} nor in any run under {root}/*/*/checkpoints; "
+            f"start without ckpt_path, or pass ckpt_path=<a checkpoint directory>."
+        )
+    newest = max(candidates, key=lambda c: (c[0], str(c[1])))[1]
+    rank_zero.info(
+        log, "lightning_3d: ckpt_path=last resumes from %s (the newest complete checkpoint%s); pass ckpt_path=PATH for "
+        "another.", newest, "" if newest.parent == own else f" of the runs under {root}", once=True,
+    )
+    return str(newest)
+
+
 def _final(metrics: dict[str, Any], key: str) -> Optional[float]:
     value = metrics.get(key)
     return None if value is None else round(float(value), 5)
@@ -148,7 +178,7 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
     own = model.configure_callbacks()
     brings = any(isinstance(cb, TokenThroughput) for cb in ([own] if isinstance(own, L.Callback) else own or []))
     trainer = build_trainer(cfg, out_dir, [probe] if brings else [TokenThroughput(), probe])
-    trainer.fit(model, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=data, ckpt_path=resolve_ckpt_path(cfg.get("ckpt_path"), out_dir))
     # GPTModule.configure_callbacks may have replaced ours: read the one the Trainer used.
     throughput = next(cb for cb in trainer.callbacks if isinstance(cb, TokenThroughput))
     train_loss = _final(trainer.callback_metrics, "train_loss")

@@ -5,6 +5,7 @@ user errors, and precision values the strategy cannot run."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,23 @@ def test_a_cli_user_error_is_one_line_but_an_internal_error_keeps_its_traceback(
 def test_unsupported_precision_is_refused_by_the_strategy_not_by_an_import_error(precision):
     with pytest.raises(ValueError, match=rf"precision='{precision}' is not supported by ThreeDParallelStrategy; use '32-true'"):
         L.Trainer(strategy=ThreeDParallelStrategy(), accelerator="cpu", devices=2, precision=precision, logger=False)
+
+
+def test_a_recipes_ckpt_path_last_finds_the_run_it_means(tmp_path):
+    """Issue 32: Hydra gives each run a new outputs/<date>/<time>, so ckpt_path=last looked in an empty
+    directory and started from step 0 (exit 0). It means the newest complete checkpoint of this run, else
+    of the runs beside it; nothing anywhere is an error saying where it looked."""
+    from lightning_3d.recipe import resolve_ckpt_path
+
+    outputs = tmp_path / "outputs"
+    new_run = outputs / "2026-12-02" / "09-00-00"
+    assert resolve_ckpt_path("some/path.ckpt", new_run) == "some/path.ckpt" and resolve_ckpt_path(None, new_run) is None
+    with pytest.raises(ValueError, match=r"ckpt_path=last: no complete checkpoint in this run's .* nor in any run under"):
+        resolve_ckpt_path("last", new_run)
+    older = _fake_checkpoint(outputs / "2026-12-01" / "10-00-00" / "checkpoints" / "step000004.ckpt", 4, "run-a")
+    newer = _fake_checkpoint(outputs / "2026-12-01" / "11-00-00" / "checkpoints" / "step000002.ckpt", 2, "run-b")
+    os.utime(older / MANIFEST, (1, 1)), os.utime(older, (1, 1))
+    assert resolve_ckpt_path("last", new_run) == str(newer)  # the newest written, not the highest step
+    own = _fake_checkpoint(new_run / "checkpoints" / "step000001.ckpt", 1, "run-c")
+    os.utime(own, (2, 2))
+    assert resolve_ckpt_path("last", new_run) == str(own)  # this run's own checkpoint first
