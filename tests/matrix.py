@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -337,10 +338,14 @@ def _strategy(cell: Cell, layout: str, tmp: Path) -> ThreeDParallelStrategy:
     return ThreeDParallelStrategy(**kwargs)
 
 
-def _trainer(cell: Cell, layout: str, tmp: Path, recorder: LossRecorder, epochs: int) -> L.Trainer:
+def _trainer(cell: Cell, layout: str, tmp: Path, recorder: LossRecorder, epochs: int, checkpoints: Optional[Path] = None) -> L.Trainer:
+    """``checkpoints``: save the way users do, through Lightning's ModelCheckpoint (``last.ckpt``)."""
+    callbacks: list[Any] = [recorder]
+    if checkpoints is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, save_last=True))
     kwargs: dict[str, Any] = dict(
-        max_epochs=epochs, limit_val_batches=0, callbacks=[recorder], strategy=_strategy(cell, layout, tmp),
-        default_root_dir=str(tmp),
+        max_epochs=epochs, limit_val_batches=0, callbacks=callbacks, strategy=_strategy(cell, layout, tmp),
+        default_root_dir=str(tmp), enable_checkpointing=checkpoints is not None,
     )
     if cell.precision == "16-mixed":
         # On CPU, Lightning turns precision="16-mixed" into bf16 before the strategy sees it; the plugin
@@ -377,7 +382,8 @@ def run_cell(cell: Cell, tmp: str) -> dict[str, Any]:
     recorder = LossRecorder()
     expected = refusal(asdict(cell))
     try:
-        trainer = _trainer(cell, cell.layout, work, recorder, 1 if cell.resume != "no" else EPOCHS)
+        resuming = cell.resume != "no"
+        trainer = _trainer(cell, cell.layout, work, recorder, 1 if resuming else EPOCHS, work / "ckpt" if resuming else None)
         trainer.fit(model, matrix_loader(cell.last_batch, dp))
     except (ValueError, NotImplementedError, TypeError) as err:
         if expected is None:
@@ -385,8 +391,8 @@ def run_cell(cell: Cell, tmp: str) -> dict[str, Any]:
         return {"refused": str(err)}
     losses = list(recorder.losses)
     if cell.resume != "no":
-        path = str(work / "epoch1.ckpt")
-        trainer.save_checkpoint(path)
+        # the path Lightning users take: ModelCheckpoint(save_last=True) during fit, a fresh Trainer, ckpt_path=last.ckpt
+        path = str(work / "ckpt" / "last.ckpt")
         partner, settings = _partner(cell)
         L.seed_everything(0)
         model = MatrixGPT(cell)
