@@ -333,6 +333,12 @@ class ThreeDParallelStrategy(ParallelStrategy):
         the layout in order: plan -> recompute -> pipeline -> precision -> placement -> ZeRO), then the
         optimizers, wrapped by ZeRO."""
         assert self.accelerator is not None and self.model is not None and self._rng_tracker is not None
+        accumulate = trainer.accumulate_grad_batches
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={accumulate!r}) is invalid: it is the number of batches whose "
+                f"gradients make one optimizer step, a whole number >= 1 (1: no accumulation)."
+            )
         self.accelerator.setup(trainer)
         use_global_model_summary(trainer)  # whole-model parameter counts, not this rank's shards
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -106,6 +106,8 @@ def _resume_world(root: str) -> dict[str, Any]:
         # tensors that happen to fit: another head count (the same shapes), fewer layers (a subset of the keys)
         "other_heads": lambda: _refusal(lambda: _fit(tiny_gpt(n_head=2), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
         "fewer_layers": lambda: _refusal(lambda: _fit(tiny_gpt(n_layer=1), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
+        # (was a ZeroDivisionError at step 1)
+        "accumulate_zero": lambda: _refusal(lambda: quiet_trainer(max_steps=1, accumulate_grad_batches=0).fit(tiny_gpt(), tiny_data())),
         "resumed": lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"), save=True) and [
             json.loads((ckpt / name / MANIFEST).read_text())["run_id"] for name in ("step=2.ckpt", "step=4.ckpt")
         ],
@@ -140,6 +142,11 @@ def test_a_checkpoint_whose_tensors_happen_to_fit_another_model_is_refused(resum
     layers = result_of(resume_world, "fewer_layers")
     assert "GPTConfig.n_layer=2 in the checkpoint, 1 here" in layers, layers
     assert "tensor(s) in the checkpoint but not in the model: model.blocks.1." in layers and "strict_loading = False" in layers, layers
+
+
+def test_accumulate_grad_batches_zero_is_refused_by_name(resume_world):
+    message = result_of(resume_world, "accumulate_zero")
+    assert message.startswith("ValueError: Trainer(accumulate_grad_batches=0) is invalid"), message
 
 
 def test_a_resumed_run_keeps_its_run_id_for_later_saves(resume_world):

@@ -37,7 +37,7 @@ from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.sharded import FORMAT, ShardedCheckpoint, _crc32, latest_complete, read_manifest
 from lightning_3d.data import TextDataModule, TokenWindows
 from lightning_3d.data.corpus import prepare_byte_tokens, read_token_file, split_tokens
-from lightning_3d.models import GPT, GPTConfig
+from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.models.adapters.gpt import gpt_plan
 from lightning_3d.models.adapters.hf_sequence import hf_inputs as _hf_inputs
 from lightning_3d.parallelize import apply_activation_checkpointing
@@ -293,6 +293,9 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     # layout / config
     "layout-degree": raises(ValueError, lambda: ParallelConfig(tensor_parallel=0)),
     "strategy-replica-check-every": raises(ValueError, lambda: ThreeDParallelStrategy(replica_check_every=-1)),
+    "data-global-batch-zero": raises(ValueError, lambda: TextDataModule(global_batch_size=0)),
+    "optim-lr-nan": raises(ValueError, lambda: GPTModule(lr=float("nan"))),
+    "optim-lr-negative": raises(ValueError, lambda: GPTModule(lr=-0.1)),
     "cp-ring-window": raises(ValueError, lambda: ring(window=2)),
     "cp-ring-softcap": raises(ValueError, lambda: hf_context_parallel("gemma2")),
     "cp-hf-padding": raises(ValueError, lambda: hf_before_split()),

@@ -82,6 +82,12 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        for name, value in (("batch_size", batch_size), ("global_batch_size", global_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"{name}={value!r} is invalid: it must be a positive whole number of samples"
+                    + (" per step over all replicas" if name == "global_batch_size" else " per replica") + "."
+                )
         self.source = source
         self.block_size = block_size
         self.batch_size = batch_size

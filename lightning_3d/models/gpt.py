@@ -344,6 +344,7 @@ class GPTModule(L.LightningModule):
         decay_steps: Optional[int] = None,
     ) -> None:
         super().__init__()
+        check_optimizer_settings(lr, min_lr_ratio, weight_decay, betas, warmup_steps, decay_steps)
         self.config = _as_config(config)
         # Plain types only, so checkpoints load with weights_only=True.
         self.save_hyperparameters(
@@ -415,6 +416,27 @@ def adamw_with_warmup_cosine(module: L.LightningModule, hp: Any) -> dict[str, An
     schedule = functools.partial(warmup_cosine, warmup=hp.warmup_steps, total=total, min_ratio=hp.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def check_optimizer_settings(
+    lr: float, min_lr_ratio: float, weight_decay: float, betas: Any, warmup_steps: int, decay_steps: Optional[int]
+) -> None:
+    """Refuse, naming the value, settings AdamW or the schedule would take in silence or reject in their
+    own words at step 1 (a NaN or negative learning rate, a ratio outside [0, 1], ...)."""
+    def bad(name: str, value: Any, want: str) -> ValueError:
+        return ValueError(f"{name}={value!r} is invalid: {want}.")
+
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise bad("lr (optim.lr)", lr, "the learning rate must be a finite positive number, e.g. 3e-4")
+    if not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
+        raise bad("min_lr_ratio (optim.min_lr_ratio)", min_lr_ratio, "the final learning rate over the peak must be in [0, 1]")
+    if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) or weight_decay < 0:
+        raise bad("weight_decay (optim.weight_decay)", weight_decay, "it must be a finite number >= 0")
+    if len(tuple(betas)) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise bad("betas (optim.betas)", tuple(betas), "AdamW takes two numbers in [0, 1), e.g. [0.9, 0.95]")
+    for name, value in (("warmup_steps", warmup_steps), ("decay_steps", decay_steps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise bad(f"{name} (optim.{name})", value, "it must be a whole number of optimizer steps >= 0")
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_3d.models.gpt import adamw_with_warmup_cosine
+from lightning_3d.models.gpt import adamw_with_warmup_cosine, check_optimizer_settings
 from lightning_3d.pretrained import from_pretrained
 
 
@@ -47,6 +47,7 @@ class HFCausalLMModule(L.LightningModule):
         config_overrides: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
+        check_optimizer_settings(lr, min_lr_ratio, weight_decay, betas, warmup_steps, decay_steps)
         self.save_hyperparameters(
             {
                 "init_from": str(init_from),
