@@ -19,6 +19,7 @@ import contextlib
 import io
 import json
 import re
+import tempfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -34,7 +35,7 @@ from torch import nn
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
 from lightning_3d.activation_checkpointing import attention_of
 from lightning_3d.checkpoint import AtomicCheckpointIO
-from lightning_3d.checkpoint.sharded import FORMAT, ShardedCheckpoint, _crc32, latest_complete, read_manifest
+from lightning_3d.checkpoint.sharded import FORMAT, CheckpointError, ShardedCheckpoint, _crc32, latest_complete, read_manifest
 from lightning_3d.data import TextDataModule, TokenWindows
 from lightning_3d.data.corpus import prepare_byte_tokens, read_token_file, split_tokens
 from lightning_3d.models import GPT, GPTConfig, GPTModule
@@ -195,6 +196,14 @@ def hf_before_split() -> None:
     before_split((), {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 8, [0] + [1] * 7])})
 
 
+def load_weights_as_checkpoint() -> None:
+    from lightning_3d.checkpoint.formats import JobState, checkpoint_format
+
+    weights = Path(tempfile.mkdtemp()) / "model.safetensors"
+    weights.write_bytes(b"\0" * 16)
+    checkpoint_format("sharded").load(JobState(module=None, optimizers=[], topology=None), weights)
+
+
 def two_optimizers_one_parameter() -> None:
     layer = nn.Linear(2, 2)
     topology = SimpleNamespace(dims=SimpleNamespace(tp=1))  # all the check reads of the topology
@@ -295,6 +304,7 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "strategy-replica-check-every": raises(ValueError, lambda: ThreeDParallelStrategy(replica_check_every=-1)),
     "data-global-batch-zero": raises(ValueError, lambda: TextDataModule(global_batch_size=0)),
     "optim-lr-nan": raises(ValueError, lambda: GPTModule(lr=float("nan"))),
+    "ckpt-weights-as-checkpoint": raises(CheckpointError, load_weights_as_checkpoint),
     "optim-lr-negative": raises(ValueError, lambda: GPTModule(lr=-0.1)),
     "cp-ring-window": raises(ValueError, lambda: ring(window=2)),
     "cp-ring-softcap": raises(ValueError, lambda: hf_context_parallel("gemma2")),

@@ -42,6 +42,7 @@ from lightning_3d.checkpoint.consolidated import (
     shard_state_dict,
 )
 from lightning_3d.checkpoint.manager import ShardedCheckpointer, check_keep_last_k
+from lightning_3d.checkpoint.sharded import CheckpointError
 from lightning_3d.tensor_parallel.spec import shard_like
 from lightning_3d.topology import Topology
 from lightning_3d.zero.coordinator import ZeroCoordinator
@@ -124,6 +125,13 @@ class CheckpointFormat:
             if job.module is not None:
                 checkpoint["state_dict"] = LocalView(checkpoint["state_dict"], job.module)
             return checkpoint
+        if path.suffix == ".safetensors" or (path.parent / "config.json").is_file() and path.name.startswith("model"):
+            raise CheckpointError(
+                f"ckpt_path={str(path)!r} holds Hugging Face weights, not a training checkpoint (no optimizer, step or "
+                f"loop state to resume). To start from weights, build the model with lightning_3d.from_pretrained("
+                f"{str(path.parent)!r}) (recipes: model.init_from={path.parent}, the CLI: --model.init_from=...), and "
+                f"pass no ckpt_path."
+            )
         assert job.checkpoint_io is not None
         torch.cuda.empty_cache()
         return job.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
