@@ -6,6 +6,7 @@ Importing this package registers the strategy name ``"3d"``, so ``Trainer(strate
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_3d import precision_flag
+from lightning_3d.checkpoint.consolidate import load_from_checkpoint
 from lightning_3d.config import ParallelConfig
 from lightning_3d.pretrained import from_pretrained, load_pretrained_
 from lightning_3d.strategy import ThreeDParallelStrategy
@@ -29,5 +30,6 @@ __all__ = [
     "Topology",
     "__version__",
     "from_pretrained",
+    "load_from_checkpoint",
     "load_pretrained_",
 ]

@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import ThreeDParallelStrategy
@@ -97,10 +98,34 @@ def _refusal(call: Any) -> str:
     return "no error"
 
 
+def _one_call_load(path: Path) -> dict[str, Any]:
+    """Issue 32: MyModule.load_from_checkpoint(sharded_dir) raised IsADirectoryError; lightning_3d's
+    one call loads it in a plain process (here each rank alone, as a user's notebook would)."""
+    import lightning_3d
+    from lightning_3d.checkpoint.consolidate import dense_state_dict
+    from lightning_3d.checkpoint.sharded import ShardedCheckpoint
+    from lightning_3d.models import GPTModule
+
+    try:
+        GPTModule.load_from_checkpoint(str(path))
+        lightning = "no error"
+    except IsADirectoryError as err:
+        lightning = f"IsADirectoryError: {err}"
+    module = lightning_3d.load_from_checkpoint(GPTModule, path)
+    dense = dense_state_dict(ShardedCheckpoint(path))
+    loaded = module.state_dict()
+    return {
+        "lightning": lightning,
+        "equal": sorted(loaded) == sorted(dense) and all(torch.equal(loaded[k], dense[k]) for k in dense),
+        "n_layer": module.config.n_layer,
+    }
+
+
 def _resume_world(root: str) -> dict[str, Any]:
     ckpt = Path(root)
     return run_checks({
         "train": lambda: _fit(tiny_gpt(), root, 2, save=True) and sorted(p.name for p in ckpt.iterdir()),
+        "one_call_load": lambda: _one_call_load(ckpt / "step=2.ckpt"),
         "mistyped": lambda: _refusal(lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=999.ckpt"))),
         "other_model": lambda: _refusal(lambda: _fit(tiny_gpt(n_embd=64), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
         # tensors that happen to fit: another head count (the same shapes), fewer layers (a subset of the keys)
@@ -142,6 +167,12 @@ def test_a_checkpoint_whose_tensors_happen_to_fit_another_model_is_refused(resum
     layers = result_of(resume_world, "fewer_layers")
     assert "GPTConfig.n_layer=2 in the checkpoint, 1 here" in layers, layers
     assert "tensor(s) in the checkpoint but not in the model: model.blocks.1." in layers and "strict_loading = False" in layers, layers
+
+
+def test_a_sharded_checkpoint_loads_in_one_call(resume_world):
+    result = result_of(resume_world, "one_call_load")
+    assert result["lightning"].startswith("IsADirectoryError")  # Lightning's classmethod reads one file
+    assert result["equal"] and result["n_layer"] == 2
 
 
 def test_accumulate_grad_batches_zero_is_refused_by_name(resume_world):

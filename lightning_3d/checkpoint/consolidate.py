@@ -8,8 +8,9 @@ streams tensor by tensor with the mapping the model family's adapter gives.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+import lightning as L
 import torch
 from torch import Tensor
 
@@ -65,6 +66,30 @@ def consolidate(path: str, out: str, dtype: Optional[str] = None, weights_only: 
             obj = {**meta, "state_dict": state, "optimizer_states": _indexed_optimizer_states(checkpoint, groups)}
         torch.save(obj, target)
     return {"out": str(target), "tensors": len(state), "bytes": target.stat().st_size, "from": str(checkpoint.path)}
+
+
+def load_from_checkpoint(cls: type, path: Union[str, Path], strict: bool = True, **overrides: Any) -> Any:
+    """``MyModule.load_from_checkpoint(path)`` for any checkpoint this strategy wrote, in one process.
+
+    Lightning's classmethod reads one file; a sharded checkpoint is a directory (IsADirectoryError).
+    Here its pieces are assembled into dense tensors, the module is built from the saved
+    hyper-parameters (``overrides`` replace some), ``configure_model()`` runs if the module builds its
+    model there (a ``from_pretrained`` model's meta parameters are then replaced, not copied into),
+    ``on_load_checkpoint`` sees the checkpoint, and the weights are loaded. A file goes to Lightning's
+    own ``load_from_checkpoint``."""
+    target = Path(path)
+    if target.is_file():
+        return cls.load_from_checkpoint(str(target), strict=strict, **overrides)
+    checkpoint = ShardedCheckpoint(latest_complete(target, fallback=False))
+    meta = checkpoint.meta()
+    state = dense_state_dict(checkpoint)
+    module = cls(**{**dict(meta.get("hyper_parameters") or {}), **overrides})
+    if type(module).configure_model is not L.LightningModule.configure_model:
+        module.configure_model()
+    module.on_load_checkpoint({**meta, "state_dict": state})
+    on_meta = any(p.is_meta for p in module.parameters())
+    module.load_state_dict(state, strict=strict, assign=on_meta)
+    return module
 
 
 # -- Hugging Face export: streamed tensor by tensor (hf_export.py); the name stays importable from here --------
