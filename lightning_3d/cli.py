@@ -199,7 +199,7 @@ def lightning_main(argv: list[str]) -> None:
     )
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
+def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "the input is wrong": their message is the whole story."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -221,7 +221,7 @@ def _run(command: str, call: Callable[[], Optional[int]]) -> int:
     except TrainingInterrupted as interrupted:  # SIGTERM: the checkpoint is written; exit as a scheduler expects
         print(f"lightning-3d {command}: {interrupted}", file=sys.stderr, flush=True)
         return EXIT_CODE
-    except _user_errors() as err:
+    except user_errors() as err:
         if os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
             raise
         message = " ".join(str(err).split()) or type(err).__name__

@@ -10,6 +10,7 @@
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import lightning_3d  # noqa: F401  (registers the "3d" strategy)
+from lightning_3d.cli import user_errors
 from lightning_3d.launch_guard import end_multirun_job
 from lightning_3d.preemption import EXIT_CODE, TrainingInterrupted
-from lightning_3d.recipe import CONF_DIR, train
+from lightning_3d.recipe import CONF_DIR, check_command_line, train
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -32,6 +34,11 @@ def main(cfg: DictConfig) -> None:
     except TrainingInterrupted as interrupted:  # SIGTERM from a scheduler: checkpoint written, say so, exit 143
         print(interrupted, file=sys.stderr, flush=True)
         sys.exit(EXIT_CODE)
+    except user_errors() as err:  # a setting the user passed: one line naming it, exit 2 (Hydra would print a traceback)
+        if os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
+            raise
+        print(f"recipes/train.py: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if run.mode == RunMode.MULTIRUN:  # the sweep's next job runs in this process: it launches its own ranks
         end_multirun_job()
     if summary is not None:
@@ -39,4 +46,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    problem = check_command_line(sys.argv[1:])
+    if problem is not None:  # one line and exit 2, as the CLI does, before Hydra prints a traceback
+        print(f"recipes/train.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

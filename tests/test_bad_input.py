@@ -235,3 +235,33 @@ def test_a_recipes_ckpt_path_last_finds_the_run_it_means(tmp_path):
     own = _fake_checkpoint(new_run / "checkpoints" / "step000001.ckpt", 1, "run-c")
     os.utime(own, (2, 2))
     assert resolve_ckpt_path("last", new_run) == str(own)  # this run's own checkpoint first
+
+
+def test_a_mistyped_override_is_one_line_and_exit_2_everywhere(capsys, tmp_path):
+    """Issue 32: `plan` / `dry-run` with an unknown option or key printed Hydra's 60-line traceback and
+    exited 1, suggesting `+key` (which appends the typo); recipes the same through Hydra."""
+    import subprocess
+    import sys
+
+    from tests.test_launchers import ROOT
+
+    for argv, expected in (
+        (["plan", "recipe=llama3_70bb"], "recipe=llama3_70bb: there is no such recipe config; Did you mean recipe=llama3_70b?"),
+        (["dry-run", "parallel.zero_stge=1"], "parallel.zero_stge: the config has no such key"),
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+    assert "Did you mean parallel.zero_stage?" in err[0] and "a typo would then be trained on in silence" in err[0]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), "model.n_layerz=3"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-2000:]
+    assert "recipes/train.py: error: model.n_layerz: the config has no such key" in proc.stderr and "Did you mean model.n_layer?" in proc.stderr
+    proc = subprocess.run(  # a value refused inside the run: the same one line, not Hydra's "Error executing job"
+        [sys.executable, str(ROOT / "recipes" / "train.py"), "data.global_batch_size=0", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "recipes/train.py: error: global_batch_size=0 is invalid: it must be a positive whole number" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
