@@ -280,6 +280,22 @@ def token_file_with_wrong_count() -> None:
     read_token_file("tokens.bin")
 
 
+def token_file_with_meta(text: str) -> None:
+    path = Path(tempfile.mkdtemp()) / "tokens.bin"
+    path.write_bytes(b"\0" * 8)
+    path.with_name("tokens.bin.json").write_text(text)
+    read_token_file(path)
+
+
+def checkpoint_dir_with_manifest(text: str) -> Path:
+    from lightning_3d.checkpoint.sharded import MANIFEST
+
+    path = Path(tempfile.mkdtemp()) / "step=2.ckpt"
+    path.mkdir()
+    (path / MANIFEST).write_text(text)
+    return path
+
+
 def per_replica_batch(global_batch_size: int, devices: int) -> int:
     data = TextDataModule(global_batch_size=global_batch_size)
     data.trainer = trainer(ThreeDParallelStrategy(), devices=devices)
@@ -394,6 +410,9 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     # data
     "data-token-file-missing": raises(FileNotFoundError, lambda: read_token_file("nope.bin")),
     "data-token-count": raises(ValueError, token_file_with_wrong_count),
+    "data-token-meta-json": raises(ValueError, lambda: token_file_with_meta("{not json")),
+    "data-token-meta-dtype": raises(ValueError, lambda: token_file_with_meta('{"dtype": "float32", "vocab_size": 256, "num_tokens": 2}')),
+    "ckpt-manifest-json": raises(CheckpointError, lambda: read_manifest(checkpoint_dir_with_manifest("{truncated"))),
     "data-block-size": raises(ValueError, lambda: TokenWindows(np.arange(10), 0)),
     "data-too-few-tokens": raises(ValueError, lambda: TokenWindows(np.arange(4), 8)),
     "data-val-fraction": raises(ValueError, lambda: split_tokens(np.arange(10), 1.5)),

@@ -235,7 +235,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{path} is not a complete lightning_3d sharded checkpoint (no {MANIFEST}): give the directory a save "
             f"wrote (e.g. .../step=100.ckpt), or a consolidated .ckpt file."
         )
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(
+            f"{manifest_path} is not valid JSON ({err}): the checkpoint's index was damaged; resume from another "
+            f"checkpoint (the files beside it are unreadable without it)."
+        ) from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_path} is not a lightning_3d manifest (a JSON object); resume from another checkpoint.")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(
             f"{path}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT}); it was written by another "

@@ -131,11 +131,33 @@ def read_token_file(path: Union[str, Path]) -> tuple[np.ndarray, dict]:
             f"token file {path} (and its {meta_file.name}) not found; create one with "
             f"`lightning-3d prepare {path} <text files or directories>`."
         )
-    meta = json.loads(meta_file.read_text())
-    tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-    if len(tokens) != meta["num_tokens"]:
-        raise ValueError(f"{path} holds {len(tokens)} tokens but {meta_file.name} says {meta['num_tokens']}.")
+    meta = _read_meta(meta_file)
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    size = path.stat().st_size
+    if size % itemsize or size // itemsize != meta["num_tokens"]:  # (a memmap of a cut file would read garbage or fail)
+        raise ValueError(
+            f"{path} holds {size // itemsize} tokens ({size} bytes of {meta['dtype']}) but {meta_file.name} says "
+            f"{meta['num_tokens']}: the file was cut or edited. Write it again with `lightning-3d prepare`."
+        )
+    tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r") if size else np.zeros(0, dtype=meta["dtype"])
     return tokens, meta
+
+
+def _read_meta(meta_file: Path) -> dict:
+    """A token file's metadata, checked: our words for a file that is not JSON or misses a field."""
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{meta_file} is not valid JSON ({err}); write the token file again with `lightning-3d prepare`.") from None
+    missing = [k for k in ("dtype", "vocab_size", "num_tokens") if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"{meta_file} lacks {missing}; write the token file again with `lightning-3d prepare`.")
+    if meta["dtype"] not in ("uint8", "uint16", "uint32", "int32", "int64") or not isinstance(meta["num_tokens"], int):
+        raise ValueError(
+            f"{meta_file} says dtype={meta['dtype']!r}, num_tokens={meta['num_tokens']!r}: token files hold unsigned "
+            f"integer ids (uint16 / uint32) and a whole count; write it again with `lightning-3d prepare`."
+        )
+    return meta
 
 
 def write_token_file(tokens: np.ndarray, path: Union[str, Path], vocab_size: int, tokenizer: str) -> dict:
