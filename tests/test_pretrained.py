@@ -543,3 +543,13 @@ def test_cli_picks_the_hf_module_for_init_from(tmp_path: Path) -> None:
     assert _init_from_given(["fit", "--config", str(config)]) and _init_from_given(["fit", f"--config={config}"])
     config.write_text("model:\n  lr: 0.1\n")
     assert not _init_from_given(["fit", "--config", str(config)])
+
+
+def test_a_weight_file_cut_in_half_is_named_before_anything_is_built(tmp_path: Path) -> None:
+    """Issue 32: a truncated model.safetensors surfaced as "Cannot copy out of meta tensor" at the end."""
+    path = save_tiny(tmp_path, "llama")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors is cut short: its header describes \d+ bytes, the file has \d+; download it again"):
+        from_pretrained(path)

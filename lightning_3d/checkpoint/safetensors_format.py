@@ -45,11 +45,22 @@ def read_header(path: Union[str, Path]) -> tuple[dict[str, Any], int]:
         (size,) = struct.unpack("<Q", head)
         if size > HEADER_LIMIT:
             raise ValueError(f"{path}: safetensors header of {size} bytes is larger than the format allows; the file is damaged.")
-        header = json.loads(f.read(size))
+        raw = f.read(size)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{path}: its safetensors header is cut or damaged ({len(raw)} of {size} bytes readable); download the file again.") from None
     header.pop("__metadata__", None)
+    end = 0
     for name, entry in header.items():
         if entry["dtype"] not in DTYPE_OF_CODE:
             raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which lightning_3d cannot read.")
+        end = max(end, int(entry["data_offsets"][1]))
+    actual = Path(path).stat().st_size
+    if actual < 8 + size + end:  # a cut download: every rank learns it here, not as "Cannot copy out of meta tensor"
+        raise ValueError(
+            f"{path} is cut short: its header describes {8 + size + end} bytes, the file has {actual}; download it again."
+        )
     return header, 8 + size
 
 
