@@ -70,6 +70,28 @@ from lightning_3d.zero.memory import memory_report
 log = logging.getLogger(__name__)
 
 
+def _check_checkpoint_dirs_writable(trainer: Trainer) -> None:
+    """Every rank writes its pieces of a sharded checkpoint: a directory it cannot write is refused
+    before step 1, not at the first save hours later."""
+    import tempfile
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in getattr(trainer, "callbacks", []):
+        directory = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
+        if not directory or "://" in str(directory):
+            continue
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".lightning_3d-write-check-"):
+                pass
+        except OSError as err:
+            raise PermissionError(
+                f"ModelCheckpoint(dirpath={str(directory)!r}) cannot be written by rank {getattr(trainer, 'global_rank', 0)} "
+                f"({err.strerror or err}); checkpoints would fail at the first save. Give a writable directory."
+            ) from None
+
+
 def _warn_if_sampler_pads(sampler: Any) -> None:
     """A DistributedSampler without drop_last repeats samples so every replica gets as many: the
     epoch then differs from one process's. Say so once, with the numbers."""
@@ -424,6 +446,8 @@ class ThreeDParallelStrategy(ParallelStrategy):
                 self.config.check_batch(size)  # the planner's rule too (layout_rules.batch_refusals)
         for dl in loaders:
             _warn_if_sampler_pads(getattr(dl, "sampler", None))
+        if trainer is not None:
+            _check_checkpoint_dirs_writable(trainer)
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

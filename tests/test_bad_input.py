@@ -98,6 +98,17 @@ def _refusal(call: Any) -> str:
     return "no error"
 
 
+def _unwritable_checkpoints(root: str) -> None:
+    """A checkpoint directory no rank can create (its parent is a file: root writes anywhere else)."""
+    blocker = Path(root) / "not-a-directory"
+    blocker.touch()
+    trainer = quiet_trainer(
+        max_steps=2, limit_val_batches=0, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=str(blocker / "ckpt"), every_n_train_steps=1)],
+    )
+    trainer.fit(tiny_gpt(), tiny_data(global_batch_size=4))
+
+
 def _one_call_load(path: Path) -> dict[str, Any]:
     """Issue 32: MyModule.load_from_checkpoint(sharded_dir) raised IsADirectoryError; lightning_3d's
     one call loads it in a plain process (here each rank alone, as a user's notebook would)."""
@@ -131,6 +142,7 @@ def _resume_world(root: str) -> dict[str, Any]:
         # tensors that happen to fit: another head count (the same shapes), fewer layers (a subset of the keys)
         "other_heads": lambda: _refusal(lambda: _fit(tiny_gpt(n_head=2), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
         "fewer_layers": lambda: _refusal(lambda: _fit(tiny_gpt(n_layer=1), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
+        "unwritable": lambda: _refusal(lambda: _unwritable_checkpoints(root)),
         # (was a ZeroDivisionError at step 1)
         "accumulate_zero": lambda: _refusal(lambda: quiet_trainer(max_steps=1, accumulate_grad_batches=0).fit(tiny_gpt(), tiny_data())),
         "resumed": lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"), save=True) and [
@@ -173,6 +185,12 @@ def test_a_sharded_checkpoint_loads_in_one_call(resume_world):
     result = result_of(resume_world, "one_call_load")
     assert result["lightning"].startswith("IsADirectoryError")  # Lightning's classmethod reads one file
     assert result["equal"] and result["n_layer"] == 2
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_step_1(resume_world):
+    message = result_of(resume_world, "unwritable")
+    assert message.startswith("PermissionError: ModelCheckpoint(dirpath=") and "cannot be written by rank" in message, message
+    assert "would fail at the first save" in message
 
 
 def test_accumulate_grad_batches_zero_is_refused_by_name(resume_world):
