@@ -28,3 +28,20 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path):
 def test_strategy_uses_atomic_io_unless_the_user_brings_one():
     trainer = L.Trainer(strategy="3d", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_a_full_disk_during_a_save_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    """Issue 32: ENOSPC surfaced as an OSError buried mid-output; the save is staged, so the previous
+    checkpoint is intact, and the message says both."""
+    import errno
+
+    import lightning_3d.checkpoint.sharded as sharded
+
+    def full(path, tensors):  # noqa: ANN001
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sharded, "write_file", full)
+    tmp = tmp_path / "step=4.ckpt.tmp-run.1"
+    tmp.mkdir()
+    with pytest.raises(sharded.CheckpointError, match=r"no space left on the device .* while rank 3 wrote checkpoint step=4.ckpt: nothing of it was published"):
+        sharded.write_rank_shard(tmp, sharded.RankShard(3))

@@ -28,6 +28,7 @@ the temporary name and in every manifest). Any other missing path is an error: a
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -136,7 +137,22 @@ def write_file(path: Path, obj: Any) -> dict[str, int]:
 
 
 def write_rank_shard(tmp_dir: Path, shard: RankShard) -> dict[str, Any]:
-    """Write a rank's tensors; returns what the manifest needs about them."""
+    """Write a rank's tensors; returns what the manifest needs about them. A full disk is named as
+    such (the save is staged: the checkpoints already there are untouched)."""
+    try:
+        return _write_rank_shard(tmp_dir, shard)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        final = tmp_dir.name.split(".tmp-")[0]
+        raise CheckpointError(
+            f"no space left on the device of {tmp_dir.parent} (quota or disk full) while rank {shard.rank} wrote checkpoint "
+            f"{final}: nothing of it was published, and the complete checkpoints beside it are intact. Free space "
+            f"(keep_last_k=N removes older checkpoints) or save elsewhere, then resume from the last one."
+        ) from None
+
+
+def _write_rank_shard(tmp_dir: Path, shard: RankShard) -> dict[str, Any]:
     name = f"rank{shard.rank}.pt"
     info = write_file(tmp_dir / name, shard.tensors)
     for piece in shard.pieces:
