@@ -43,5 +43,5 @@ def test_a_full_disk_during_a_save_is_named_and_leaves_the_last_checkpoint(tmp_p
     monkeypatch.setattr(sharded, "write_file", full)
     tmp = tmp_path / "step=4.ckpt.tmp-run.1"
     tmp.mkdir()
-    with pytest.raises(sharded.CheckpointError, match=r"no space left on the device .* while rank 3 wrote checkpoint step=4.ckpt: nothing of it was published"):
+    with pytest.raises(sharded.CheckpointError, match=r"no space left on the device of .* while rank 3 wrote checkpoint step=4.ckpt: nothing of it was published"):
         sharded.write_rank_shard(tmp, sharded.RankShard(3))
