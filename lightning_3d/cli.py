@@ -187,9 +187,15 @@ def lightning_main(argv: list[str]) -> None:
         model_class = None  # any LightningModule, named by --model
     else:
         model_class = HFCausalLMModule if _init_from_given(argv) else GPTModule
+    # a module of the user's own without any --data: its own loaders, as LightningCLI does (TextDataModule
+    # would need its block_size and fail after the ranks started)
+    data_given = any(a == "--data" or a.startswith("--data.") or a.startswith("--data=") for a in argv) or any(
+        "data" in doc for doc in _config_docs(argv)
+    )
+    data_class = None if user_data or (user_model and not data_given) else TextDataModule
     LightningCLI(
         model_class,
-        None if user_data else TextDataModule,
+        data_class,
         subclass_mode_model=user_model,
         subclass_mode_data=user_data,
         # The command line itself: Lightning reads sys.argv (given both, it warns on every run).

@@ -70,3 +70,10 @@ class MyLanguageModel(L.LightningModule):
                 f"{type(self).__name__} {type(self.trainer.datamodule).__name__} steps={self.steps} "
                 f"fc_rows={self.net.blocks[0].mlp.fc.weight.shape[0]}\n"  # ffn rows this rank holds
             )
+
+
+class MyLanguageModelWithData(MyLanguageModel):
+    """The same module with its own loader: ``lightning-3d fit --model ...`` without ``--data`` uses it."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomTokens(32, self.config.block_size, self.config.vocab_size), batch_size=2)

@@ -196,6 +196,23 @@ def test_lightning_cli_fit_trains_the_users_classes(tmp_path):
         ]
 
 
+def test_lightning_cli_fit_of_a_module_with_its_own_loaders_needs_no_data(tmp_path):
+    """Issue 32: without ``--data`` a user's module with its own ``train_dataloader`` trained on
+    TextDataModule, which failed after spawning ("TextDataModule(block_size=None) needs ..."); LightningCLI's
+    convention is the module's own loaders."""
+    _run(
+        [
+            str(BIN / "lightning-3d"), "fit",
+            "--model", "tests.cli_user_classes.MyLanguageModelWithData", f"--model.marker_dir={tmp_path}",
+            "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.strategy=3d",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false", "--trainer.logger=false",
+        ],
+        cwd=tmp_path,
+    )
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text().split()[:3] == ["MyLanguageModelWithData", "NoneType", "steps=2"]
+
+
 def test_hydra_multirun_with_several_ranks_per_job_writes_under_the_sweep_dir(tmp_path):
     """``-m`` with 2 jobs x 2 local ranks: each job's ranks run that job alone (not the whole sweep) and
     write its outputs under ``hydra.sweep.dir/<job>``; nothing lands in ``hydra.run.dir``."""
