@@ -330,7 +330,19 @@ class ThreeDParallelStrategy(ParallelStrategy):
         store = elastic_attempt_store(self.config.timeout)
         if store is not None and not _distributed_is_initialized():
             kwargs["store"] = store
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        try:
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        except (RuntimeError, dist.DistError) as err:
+            if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
+                raise
+            world, per_node = self.num_nodes * self.num_processes, self.num_processes
+            raise RuntimeError(
+                f"lightning_3d: the job did not form within timeout={self.config.timeout.total_seconds():.0f} s: it "
+                f"expects {world} ranks (num_nodes={self.num_nodes} x devices={per_node}), and not all of them joined "
+                f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '?')} (this is rank "
+                f"{self.global_rank}, node {self.node_rank}). Start the same command on every node (SLURM: srun, or "
+                f"torchrun per node), or set num_nodes to the nodes you have."
+            ) from None
         strict_comm.enable_from_env()  # LIGHTNING_3D_STRICT_COMM=1: fail on CPU where NCCL would
         self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
         self._rng_tracker = RNGStatesTracker(self.root_device.type)

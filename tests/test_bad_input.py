@@ -283,3 +283,25 @@ def test_a_mistyped_override_is_one_line_and_exit_2_everywhere(capsys, tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "recipes/train.py: error: global_batch_size=0 is invalid: it must be a positive whole number" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
+
+
+def test_num_nodes_larger_than_the_nodes_started_says_which_ranks_never_joined(tmp_path):
+    """Issue 32: num_nodes=2 with one node printed a C++ frame dump at the rendezvous timeout."""
+    import subprocess
+    import sys
+
+    from tests.test_launchers import ROOT
+
+    script = (
+        "import lightning as L\n"
+        "from lightning_3d import ThreeDParallelStrategy\n"
+        "from tests.helpers import tiny_data, tiny_gpt\n"
+        "t = L.Trainer(strategy=ThreeDParallelStrategy(timeout=5, health_check=False), accelerator='cpu', devices=1, num_nodes=2,"
+        " max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "t.fit(tiny_gpt(), tiny_data(global_batch_size=2))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert "the job did not form within timeout=5 s: it expects 2 ranks (num_nodes=2 x devices=1)" in proc.stderr, proc.stderr[-3000:]
+    assert "Start the same command on every node" in proc.stderr and "frame #" not in proc.stderr
