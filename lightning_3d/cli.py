@@ -230,9 +230,21 @@ def _run(command: str, call: Callable[[], Optional[int]]) -> int:
     except user_errors() as err:
         if os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
             raise
-        message = " ".join(str(err).split()) or type(err).__name__
+        message = _plain_message(" ".join(str(err).split()) or type(err).__name__)
         print(f"lightning-3d {command}: error: {message}", file=sys.stderr, flush=True)
         return 2
+
+
+def _plain_message(message: str) -> str:
+    """jsonargparse wraps a class's own refusal in its Union bookkeeping ("Does not validate against any
+    of the Union subtypes ... - zero_stage=9 is invalid: ... Given value type: ..."): keep the refusal."""
+    import re
+
+    wrapped = re.search(r"Does not validate against any of the Union subtypes.*?Errors: (.*?) Given value type:", message)
+    if not wrapped:
+        return message
+    reasons = [r.strip() for r in re.split(r"(?:^|\s)- ", wrapped.group(1)) if r.strip() and not r.strip().startswith("Expected a <class")]
+    return " ".join(reasons) or message
 
 
 def version() -> str:
