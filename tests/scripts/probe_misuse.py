@@ -69,6 +69,23 @@ def hf_dir(kind: str) -> Path:
     return make_family_checkpoint(kind, TMP / "hf")
 
 
+def a_checkpoint() -> Path:
+    """A real sharded checkpoint (2 steps of the tiny GPT on one CPU rank), for the commands that read one."""
+    path = TMP / "trained.ckpt"
+    if not path.exists():
+        script = (
+            "import lightning as L, sys\n"
+            "from lightning_3d import ThreeDParallelStrategy\n"
+            "from tests.helpers import tiny_data, tiny_gpt\n"
+            "t = L.Trainer(strategy=ThreeDParallelStrategy(), accelerator='cpu', devices=1, max_steps=2, logger=False,"
+            " enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)\n"
+            "t.fit(tiny_gpt(), tiny_data(global_batch_size=2)); t.save_checkpoint(sys.argv[1])\n"
+        )
+        result = run([PY, "-c", script, str(path)])
+        assert path.exists(), result
+    return path
+
+
 def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     from lightning_3d import from_pretrained, load_from_checkpoint
     from lightning_3d.models import GPTModule
@@ -106,8 +123,8 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "load_from_checkpoint(an empty directory)": lambda: call(lambda: load_from_checkpoint(GPTModule, empty)),
         # the command line
         "lightning-3d export of a missing checkpoint": lambda: run([CLI, "export", str(TMP / "missing.ckpt"), str(TMP / "out")]),
-        "lightning-3d export into a file": lambda: run([CLI, "export", str(empty), str(a_file)]),
-        "lightning-3d consolidate to .safetensors without --weights-only": lambda: run([CLI, "consolidate", str(empty), str(TMP / "w.safetensors")]),
+        "lightning-3d export into a file": lambda: run([CLI, "export", str(a_checkpoint()), str(a_file)]),
+        "lightning-3d consolidate to .safetensors without --weights-only": lambda: run([CLI, "consolidate", str(a_checkpoint()), str(TMP / "w.safetensors")]),
         "lightning-3d prepare with no inputs": lambda: run([CLI, "prepare", str(TMP / "o.bin")]),
         "lightning-3d plan cluster=nope": lambda: run([CLI, "plan", "cluster=nope"]),
         "lightning-3d dry-run tp=3 for 4 heads": lambda: run([CLI, "dry-run", "parallel.tensor_parallel=3", "cluster.devices_per_node=3"]),
