@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import ThreeDParallelStrategy
@@ -109,6 +110,20 @@ def _unwritable_checkpoints(root: str) -> None:
     trainer.fit(tiny_gpt(), tiny_data(global_batch_size=4))
 
 
+def _damaged_pieces(path: Path, copy: Path) -> str:
+    """A manifest that lost one tensor-parallel rank's piece of a weight (issue 32: never refused)."""
+    import shutil
+
+    from lightning_3d.checkpoint.sharded import ShardedCheckpoint
+
+    shutil.copytree(path, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    name = "model.blocks.0.mlp.fc.weight"
+    manifest["pieces"] = [p for p in manifest["pieces"] if not (p["name"] == name and p["tp"].get("rank") == 1)]
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    return _refusal(lambda: ShardedCheckpoint(copy).dense("model", name))
+
+
 def _one_call_load(path: Path) -> dict[str, Any]:
     """Issue 32: MyModule.load_from_checkpoint(sharded_dir) raised IsADirectoryError; lightning_3d's
     one call loads it in a plain process (here each rank alone, as a user's notebook would)."""
@@ -137,6 +152,7 @@ def _resume_world(root: str) -> dict[str, Any]:
     return run_checks({
         "train": lambda: _fit(tiny_gpt(), root, 2, save=True) and sorted(p.name for p in ckpt.iterdir()),
         "one_call_load": lambda: _one_call_load(ckpt / "step=2.ckpt"),
+        "damaged_pieces": lambda: _damaged_pieces(ckpt / "step=2.ckpt", Path(root) / f"damaged{dist.get_rank()}"),
         "mistyped": lambda: _refusal(lambda: _fit(tiny_gpt(), root, 4, ckpt_path=str(ckpt / "step=999.ckpt"))),
         "other_model": lambda: _refusal(lambda: _fit(tiny_gpt(n_embd=64), root, 4, ckpt_path=str(ckpt / "step=2.ckpt"))),
         # tensors that happen to fit: another head count (the same shapes), fewer layers (a subset of the keys)
@@ -179,6 +195,11 @@ def test_a_checkpoint_whose_tensors_happen_to_fit_another_model_is_refused(resum
     layers = result_of(resume_world, "fewer_layers")
     assert "GPTConfig.n_layer=2 in the checkpoint, 1 here" in layers, layers
     assert "tensor(s) in the checkpoint but not in the model: model.blocks.1." in layers and "strict_loading = False" in layers, layers
+
+
+def test_a_manifest_missing_a_pieces_of_a_weight_is_refused_naming_it(resume_world):
+    message = result_of(resume_world, "damaged_pieces")
+    assert message.startswith("CheckpointError:") and "pieces of 'model.blocks.0.mlp.fc.weight' are missing (tensor-parallel ranks [1])" in message, message
 
 
 def test_a_sharded_checkpoint_loads_in_one_call(resume_world):

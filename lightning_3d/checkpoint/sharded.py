@@ -424,9 +424,13 @@ class ShardedCheckpoint:
             covered[rank] += piece.end - piece.start
         local_shape = pieces[0].local_shape
         numel = slices[next(iter(slices))].numel()
-        incomplete = [r for r, n in covered.items() if n < numel]
+        world = int(pieces[0].tp.get("world", 1)) if pieces[0].tp.get("dim") is not None else 1
+        incomplete = sorted({r for r, n in covered.items() if n < numel} | (set(range(world)) - set(slices)))
         if incomplete:
-            raise CheckpointError(f"{self.path}: pieces of {name!r} are missing (tensor-parallel ranks {incomplete}).")
+            raise CheckpointError(
+                f"{self.path}: pieces of {name!r} are missing (tensor-parallel ranks {incomplete}): {MANIFEST} does not "
+                f"cover the whole tensor; the checkpoint was edited or copied incompletely. Resume from another checkpoint."
+            )
         return assemble_dense({r: t.view(local_shape) for r, t in slices.items()}, pieces[0].tp)
 
     def scalars(self, kind: str) -> dict[str, dict[str, Any]]:
