@@ -301,7 +301,22 @@ class ThreeDParallelStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         if self.num_processes > 0:
+            self._check_world_size_variable(self.num_nodes * self.num_processes)
             self._dims = self.config.check_world(self.num_nodes * self.num_processes, self.num_processes)
+
+    def _check_world_size_variable(self, world: int) -> None:
+        """A hand-set WORLD_SIZE that disagrees with devices x num_nodes was ignored in silence: the job
+        ran at another size than the one asked for. Refused, naming both (launchers set it to the world)."""
+        given = os.environ.get("WORLD_SIZE")
+        environment = self.cluster_environment
+        if given is None or (environment is not None and environment.creates_processes_externally):
+            return  # torchrun / SLURM: their environment reads WORLD_SIZE itself
+        if not given.isdigit() or int(given) != world:
+            raise ValueError(
+                f"WORLD_SIZE={given} is set in the environment, but this Trainer starts devices x num_nodes = "
+                f"{self.num_processes} x {self.num_nodes} = {world} processes and would ignore it; unset WORLD_SIZE, "
+                f"or set devices / num_nodes to match (under torchrun or SLURM their variables decide)."
+            )
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

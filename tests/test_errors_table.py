@@ -137,6 +137,20 @@ def apply_pipeline(module: nn.Module) -> None:
     split(module, None, ParallelConfig(pipeline_parallel=2))  # type: ignore[arg-type]  # refused before the topology is read
 
 
+def with_world_size(value: str) -> None:
+    import os
+
+    previous = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = value
+    try:
+        trainer(ThreeDParallelStrategy(), devices=2)
+    finally:
+        if previous is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = previous
+
+
 def hf_model(kind: str) -> nn.Module:
     import transformers
 
@@ -333,6 +347,7 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "layout-world-size": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(data_parallel=3), devices=2)),
     "layout-auto-indivisible": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(tensor_parallel=2), devices=3)),
     "layout-tp-spans-nodes": raises(ValueError, lambda: trainer(ThreeDParallelStrategy(tensor_parallel=4), devices=2, num_nodes=2)),
+    "layout-world-size-variable": raises(ValueError, lambda: with_world_size("4")),
     "config-zero-stage": raises(ValueError, lambda: ParallelConfig(zero_stage=4)),
     "config-sequence-parallel-type": raises(ValueError, lambda: ParallelConfig(sequence_parallel="yes")),
     "config-sp-without-tp": warns(lambda: ParallelConfig(sequence_parallel=True)),
