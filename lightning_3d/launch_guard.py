@@ -295,10 +295,22 @@ class GuardedMultiProcessingLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         os.environ[LAUNCHER] = f"{os.getpid()}:"
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            # this process is no rank: a scheduler's SIGTERM (Kubernetes sends it to PID 1 alone) must reach
+            # the ranks, which write a checkpoint at the step and exit (lightning_3d/preemption.py)
+            previous = signal.signal(signal.SIGTERM, self._forward_sigterm)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
             os.environ.pop(LAUNCHER, None)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _forward_sigterm(self, signum: int, frame: Any) -> None:
+        for process in getattr(self, "procs", []) or []:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
 
 
 # -- the child's side ---------------------------------------------------------------------------------------

@@ -321,7 +321,7 @@ class ThreeDPrecision(Precision):
         key = id(_raw(optimizer))
         self._consecutive[key] = self._consecutive.get(key, 0) + 1 if counts else 0
         self._log(model)
-        if self.skipped_steps == 1 and not self._warned_first_skip:  # said once, whatever logger or bar is on
+        if counts and not self._warned_first_skip:  # said once, whatever logger or bar is on (fp16: at the scale's floor)
             self._warned_first_skip = True
             trainer = getattr(model, "_trainer", None)
             step = f"global step {trainer.global_step}" if trainer is not None else "an optimizer step"

@@ -9,7 +9,7 @@ rank at once, could leave ranks waiting on each other (2 runs of 3 hung in the i
 Here the handler only records the signal. At every optimizer step the ranks agree on "did any rank
 get one" with one MAX all-reduce of a single integer, issued asynchronously and read at the next
 step (no wait on the device in the step). Once it says yes, every rank saves a checkpoint together
-(``interrupted-step=N.ckpt`` in the ModelCheckpoint's directory, or ``<default_root_dir>/
+(``interrupted-stepNNNNNN.ckpt`` in the ModelCheckpoint's directory, or ``<default_root_dir>/
 checkpoints``) and raises :class:`TrainingInterrupted`, which names the checkpoint to resume from.
 The checkpoint is written within two optimizer steps of the signal plus one save; a grace period
 shorter than that loses the job to SIGKILL like any crash, and the last complete checkpoint stays.
@@ -44,7 +44,7 @@ def interrupted_path(trainer: Any) -> Path:
     """Where the checkpoint at the signal goes: the ModelCheckpoint's directory, else the default root's."""
     callback = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.dirpath), None)
     directory = Path(callback.dirpath) if callback is not None else Path(trainer.default_root_dir) / "checkpoints"
-    return directory / f"interrupted-step={trainer.global_step}.ckpt"
+    return directory / f"interrupted-step{trainer.global_step:06d}.ckpt"  # (no '=': Hydra overrides take it unquoted)
 
 
 class PreemptionHandler(Callback):
@@ -55,6 +55,7 @@ class PreemptionHandler(Callback):
         self._pending: Optional[tuple[Any, torch.Tensor]] = None
         self._last_step = -1
         self._previous: Any = None
+        self._chained: list[Any] = []
         self._device = torch.device("cpu")
 
     def bind(self, device: torch.device) -> None:
@@ -63,11 +64,20 @@ class PreemptionHandler(Callback):
     def _note(self, signum: int, frame: Any) -> None:  # a signal handler: no collectives, no I/O
         if self.received is None:
             self.received = signum
+        for handler in self._chained:  # the user's own handlers, which Lightning had composed with its own
+            handler(signum, frame)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # after Lightning registered its own handlers (Trainer._run), which this one replaces for SIGTERM
+        # after Lightning registered its own handlers (Trainer._run): they are replaced for SIGTERM while
+        # training (Lightning's broadcasts inside the handler); the user's handlers it composed still run
+        self.received, self._pending, self._last_step = None, None, -1  # (a new fit starts clean)
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._note)
+            handlers = getattr(self._previous, "signal_handlers", None)
+            self._chained = [
+                h for h in (handlers if isinstance(handlers, list) else [])
+                if callable(h) and not type(getattr(h, "__self__", None)).__name__ == "_SignalConnector"
+            ]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step

@@ -87,25 +87,13 @@ def _override_error(err: Exception, overrides: list[str], directory: Path) -> st
 
 def check_command_line(argv: list[str]) -> Optional[str]:
     """The one-line error a recipe's overrides would meet in Hydra's composition (None if they compose):
-    checked before Hydra runs, so a typo is one line and exit 2 instead of Hydra's traceback. Sweeps
-    (``-m``) and Hydra's own options are left to Hydra."""
-    if any(a in ("-m", "--multirun") for a in argv):
+    checked before Hydra runs, so a typo is one line and exit 2 instead of Hydra's traceback. Only a
+    command line of plain overrides is checked: with any of Hydra's own flags (``-m``, ``-cn``,
+    ``--config-dir``, ``--cfg``, ...) or a ``hydra.*`` override, what composes is Hydra's business."""
+    if any(arg.startswith("-") or arg.lstrip("+~").startswith(("hydra.", "hydra/")) for arg in argv):
         return None
-    config_dir, overrides, skip = None, [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg in ("--config-dir", "-cd"):
-            config_dir, skip = Path(argv[i + 1]) if i + 1 < len(argv) else None, True
-        elif arg.startswith("--config-dir="):
-            config_dir = Path(arg.split("=", 1)[1])
-        elif arg.startswith("-") or arg.lstrip("+~").startswith("hydra."):
-            continue
-        else:
-            overrides.append(arg)
     try:
-        compose_config(overrides, config_dir)
+        compose_config(list(argv))
     except (ValueError, FileNotFoundError) as err:
         return " ".join(str(err).split())
     return None
@@ -191,11 +179,28 @@ def build_data(cfg: DictConfig) -> TextDataModule:
     return TextDataModule(block_size=cfg.model.block_size, **_plain(cfg.data))
 
 
+def _run_overrides(run_dir: Path) -> Optional[list[str]]:
+    """The command-line overrides a Hydra run was started with (``.hydra/overrides.yaml``), without the
+    ones that do not change what trains (``ckpt_path``, ``hydra.*``); None if unknown."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception:  # noqa: BLE001 - an unreadable record: not the same run
+        return None
+    if not isinstance(overrides, list):
+        return None
+    return sorted(str(o) for o in overrides if not str(o).lstrip("+~").startswith(("ckpt_path=", "hydra.", "hydra/")))
+
+
 def resolve_ckpt_path(ckpt_path: Optional[str], out_dir: Path) -> Optional[str]:
     """What ``ckpt_path=last`` means for a recipe run: the newest complete checkpoint of this run's
-    directory, else of the runs beside it (Hydra gives every run a new ``outputs/<date>/<time>``, so
-    Lightning's own "last" would look in an empty directory and start from step 0 in silence). No
-    checkpoint anywhere is an error naming where it looked; other values are returned unchanged."""
+    directory, else of an earlier run *of the same command* (the same overrides, ``.hydra/overrides.yaml``)
+    beside it: Hydra gives every run a new ``outputs/<date>/<time>``, so Lightning's own "last" would
+    look in an empty directory and start from step 0 in silence. A sweep job, another experiment or a
+    run with other overrides is never taken; no checkpoint is an error naming where it looked and the
+    checkpoints of other runs it found. Other values are returned unchanged."""
     if ckpt_path != "last":
         return ckpt_path
     from lightning_3d.checkpoint.sharded import complete_checkpoints, read_manifest
@@ -207,16 +212,25 @@ def resolve_ckpt_path(ckpt_path: Optional[str], out_dir: Path) -> Optional[str]:
 
     own = out_dir / "checkpoints"
     root = out_dir.parent.parent  # outputs/<date>/<time> -> outputs
-    candidates = written(own) or [c for d in sorted(root.glob("*/*/checkpoints")) for c in written(d)]
+    candidates = written(own)
+    others: list[tuple[float, Path]] = []
     if not candidates:
+        mine = _run_overrides(out_dir)
+        for directory in sorted(root.glob("*/*/checkpoints")):
+            if directory == own:
+                continue
+            same = mine is not None and _run_overrides(directory.parent) == mine
+            (candidates if same else others).extend(written(directory))
+    if not candidates:
+        seen = f"; checkpoints of other runs (other overrides, not taken): {', '.join(str(p) for _, p in sorted(others)[-3:])}" if others else ""
         raise ValueError(
-            f"ckpt_path=last: no complete checkpoint in this run's {own} nor in any run under {root}/*/*/checkpoints; "
-            f"start without ckpt_path, or pass ckpt_path=<a checkpoint directory>."
+            f"ckpt_path=last: no complete checkpoint in this run's {own} nor in an earlier run of the same command under "
+            f"{root}/*/*{seen}; start without ckpt_path, or pass ckpt_path=<a checkpoint directory>."
         )
     newest = max(candidates, key=lambda c: (c[0], str(c[1])))[1]
     rank_zero.info(
         log, "lightning_3d: ckpt_path=last resumes from %s (the newest complete checkpoint%s); pass ckpt_path=PATH for "
-        "another.", newest, "" if newest.parent == own else f" of the runs under {root}", once=True,
+        "another.", newest, "" if newest.parent == own else f" of the same command's runs under {root}", once=True,
     )
     return str(newest)
 

@@ -44,6 +44,7 @@ from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.formats import JobState
 from lightning_3d.checkpoint.formats import checkpoint_format as checkpoint_format_for
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
+from lightning_3d.collectives import current_compute_device
 from lightning_3d.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from lightning_3d.fault import (
     HealthMonitor,
@@ -71,25 +72,38 @@ log = logging.getLogger(__name__)
 
 
 def _check_checkpoint_dirs_writable(trainer: Trainer) -> None:
-    """Every rank writes its pieces of a sharded checkpoint: a directory it cannot write is refused
-    before step 1, not at the first save hours later."""
+    """Every rank writes its pieces of a sharded checkpoint: a directory that cannot be written is
+    refused before step 1, not at the first save hours later. One rank per node tries (O(nodes) files
+    on a shared filesystem), and the world agrees on the verdict, so every rank stops together."""
     import tempfile
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    for callback in getattr(trainer, "callbacks", []):
-        directory = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
-        if not directory or "://" in str(directory):
-            continue
-        try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=directory, prefix=".lightning_3d-write-check-"):
-                pass
-        except OSError as err:
-            raise PermissionError(
-                f"ModelCheckpoint(dirpath={str(directory)!r}) cannot be written by rank {getattr(trainer, 'global_rank', 0)} "
-                f"({err.strerror or err}); checkpoints would fail at the first save. Give a writable directory."
-            ) from None
+    problem = ""
+    if getattr(trainer, "local_rank", 0) == 0:
+        for callback in getattr(trainer, "callbacks", []):
+            directory = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
+            if not directory or "://" in str(directory):
+                continue
+            try:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=directory, prefix=".lightning_3d-write-check-"):
+                    pass
+            except OSError as err:
+                problem = f"ModelCheckpoint(dirpath={str(directory)!r}) cannot be written ({err.strerror or err})"
+                break
+    rank = getattr(trainer, "global_rank", 0)
+    first = rank if problem else None
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        flag = torch.tensor([rank if problem else world], device=current_compute_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        first = int(flag.item()) if int(flag.item()) < world else None
+    if first is not None:
+        what = problem if problem else f"rank {first} cannot write a ModelCheckpoint directory (see its message)"
+        raise PermissionError(
+            f"{what} (rank {first}); checkpoints would fail at the first save. Give a directory every node can write."
+        )
 
 
 def _warn_if_sampler_pads(sampler: Any) -> None:
@@ -351,8 +365,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
             if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
                 raise
             world, per_node = self.num_nodes * self.num_processes, self.num_processes
+            cause = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             raise RuntimeError(
-                f"lightning_3d: the job did not form within timeout={self.config.timeout.total_seconds():.0f} s: it "
+                f"lightning_3d: the job did not form within timeout={self.config.timeout.total_seconds():.0f} s ({cause}): it "
                 f"expects {world} ranks (num_nodes={self.num_nodes} x devices={per_node}), and not all of them joined "
                 f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '?')} (this is rank "
                 f"{self.global_rank}, node {self.node_rank}). Start the same command on every node (SLURM: srun, or "

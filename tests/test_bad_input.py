@@ -210,7 +210,7 @@ def test_a_sharded_checkpoint_loads_in_one_call(resume_world):
 
 def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_step_1(resume_world):
     message = result_of(resume_world, "unwritable")
-    assert message.startswith("PermissionError: ModelCheckpoint(dirpath=") and "cannot be written by rank" in message, message
+    assert message.startswith("PermissionError: ModelCheckpoint(dirpath=") and "cannot be written (" in message, message
     assert "would fail at the first save" in message
 
 
@@ -259,21 +259,32 @@ def test_unsupported_precision_is_refused_by_the_strategy_not_by_an_import_error
 def test_a_recipes_ckpt_path_last_finds_the_run_it_means(tmp_path):
     """Issue 32: Hydra gives each run a new outputs/<date>/<time>, so ckpt_path=last looked in an empty
     directory and started from step 0 (exit 0). It means the newest complete checkpoint of this run, else
-    of the runs beside it; nothing anywhere is an error saying where it looked."""
+    of an earlier run of the same command (its overrides); a run with other overrides (a sweep's other
+    job, another experiment) is never taken (found in review); nothing is an error saying where it looked."""
     from lightning_3d.recipe import resolve_ckpt_path
 
+    def run(name: str, *overrides: str) -> Path:
+        directory = outputs / name
+        (directory / ".hydra").mkdir(parents=True)
+        (directory / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        return directory
+
     outputs = tmp_path / "outputs"
-    new_run = outputs / "2026-12-02" / "09-00-00"
+    new_run = run("2026-12-02/09-00-00", "parallel=dp", "ckpt_path=last")
     assert resolve_ckpt_path("some/path.ckpt", new_run) == "some/path.ckpt" and resolve_ckpt_path(None, new_run) is None
-    with pytest.raises(ValueError, match=r"ckpt_path=last: no complete checkpoint in this run's .* nor in any run under"):
+    with pytest.raises(ValueError, match=r"ckpt_path=last: no complete checkpoint in this run's .* nor in an earlier run of the same command"):
         resolve_ckpt_path("last", new_run)
-    older = _fake_checkpoint(outputs / "2026-12-01" / "10-00-00" / "checkpoints" / "step000004.ckpt", 4, "run-a")
-    newer = _fake_checkpoint(outputs / "2026-12-01" / "11-00-00" / "checkpoints" / "step000002.ckpt", 2, "run-b")
+    older = _fake_checkpoint(run("2026-12-01/10-00-00", "parallel=dp") / "checkpoints" / "step000004.ckpt", 4, "run-a")
+    newer = _fake_checkpoint(run("2026-12-01/11-00-00", "parallel=dp") / "checkpoints" / "step000002.ckpt", 2, "run-b")
+    other = _fake_checkpoint(run("2026-12-01/12-00-00", "parallel=dp", "seed=2") / "checkpoints" / "step000009.ckpt", 9, "run-x")
     os.utime(older / MANIFEST, (1, 1)), os.utime(older, (1, 1))
-    assert resolve_ckpt_path("last", new_run) == str(newer)  # the newest written, not the highest step
+    assert resolve_ckpt_path("last", new_run) == str(newer)  # the newest written of the same command, not the highest step
+    only_other = run("2026-12-02/10-00-00", "parallel=dp", "seed=3")
+    with pytest.raises(ValueError, match=r"checkpoints of other runs \(other overrides, not taken\): .*step000009"):
+        resolve_ckpt_path("last", only_other)
     own = _fake_checkpoint(new_run / "checkpoints" / "step000001.ckpt", 1, "run-c")
     os.utime(own, (2, 2))
-    assert resolve_ckpt_path("last", new_run) == str(own)  # this run's own checkpoint first
+    assert resolve_ckpt_path("last", new_run) == str(own) and other.exists()  # this run's own checkpoint first
 
 
 def test_a_mistyped_override_is_one_line_and_exit_2_everywhere(capsys, tmp_path):
@@ -324,7 +335,7 @@ def test_num_nodes_larger_than_the_nodes_started_says_which_ranks_never_joined(t
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode != 0
-    assert "the job did not form within timeout=5 s: it expects 2 ranks (num_nodes=2 x devices=1)" in proc.stderr, proc.stderr[-3000:]
+    assert "the job did not form within timeout=5 s (" in proc.stderr and "it expects 2 ranks (num_nodes=2 x devices=1)" in proc.stderr, proc.stderr[-3000:]
     assert "Start the same command on every node" in proc.stderr and "frame #" not in proc.stderr
 
 

@@ -289,9 +289,10 @@ def checkpoint_with_code_in_meta() -> ShardedCheckpoint:
 
 
 def token_file_with_wrong_count() -> None:
-    Path("tokens.bin").write_bytes(np.arange(3, dtype=np.uint16).tobytes())
-    Path("tokens.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256, "num_tokens": 5, "tokenizer": "bytes"}))
-    read_token_file("tokens.bin")
+    directory = Path(tempfile.mkdtemp())  # (not the working directory: the files would end up committed)
+    (directory / "tokens.bin").write_bytes(np.arange(3, dtype=np.uint16).tobytes())
+    (directory / "tokens.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256, "num_tokens": 5, "tokenizer": "bytes"}))
+    read_token_file(directory / "tokens.bin")
 
 
 def token_file_with_meta(text: str) -> None:

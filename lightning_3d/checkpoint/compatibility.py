@@ -100,7 +100,7 @@ def _architecture_refusal(module: nn.Module, checkpoint: Mapping[str, Any], stri
     ours, theirs = dense_shapes(module), stored_shapes(source)
     reasons = []
     saved = (reader.manifest.get("model") or {}).get("dims") if reader is not None else None
-    if saved:
+    if saved and strict:  # (strict_loading=False: a subset on purpose; shapes are still checked)
         here = model_dims(module)
         for name in sorted(set(saved) & set(here)):
             for key in DIMS:

@@ -83,7 +83,8 @@ def load_from_checkpoint(cls: type, path: Union[str, Path], strict: bool = True,
     checkpoint = ShardedCheckpoint(latest_complete(target, fallback=False))
     meta = checkpoint.meta()
     state = dense_state_dict(checkpoint)
-    module = cls(**{**dict(meta.get("hyper_parameters") or {}), **overrides})
+    hparams = {k: v for k, v in dict(meta.get("hyper_parameters") or {}).items() if k != "_instantiator"}  # (LightningCLI's)
+    module = cls(**{**hparams, **overrides})
     if type(module).configure_model is not L.LightningModule.configure_model:
         module.configure_model()
     module.on_load_checkpoint({**meta, "state_dict": state})

@@ -125,7 +125,7 @@ class CheckpointFormat:
             if job.module is not None:
                 checkpoint["state_dict"] = LocalView(checkpoint["state_dict"], job.module)
             return checkpoint
-        if path.suffix == ".safetensors" or (path.parent / "config.json").is_file() and path.name.startswith("model"):
+        if path.suffix == ".safetensors" or (path.suffix == ".bin" and (path.parent / "config.json").is_file()):
             raise CheckpointError(
                 f"ckpt_path={str(path)!r} holds Hugging Face weights, not a training checkpoint (no optimizer, step or "
                 f"loop state to resume). To start from weights, build the model with lightning_3d.from_pretrained("

@@ -122,9 +122,10 @@ def read_token_file(path: Union[str, Path]) -> tuple[np.ndarray, dict]:
     path = Path(path)
     meta_file = _meta_path(path)
     if path.is_file() and not meta_file.is_file():  # (text given where tokens are expected: do not suggest overwriting it)
+        beside = path.with_suffix(".bin") if path.suffix != ".bin" else path.with_name(f"{path.stem}.tokens.bin")
         raise FileNotFoundError(
             f"{path} is not a token file (it has no {meta_file.name}); to train on its text, write a token file "
-            f"beside it: `lightning-3d prepare {path.with_suffix('.bin')} {path}`, and pass that."
+            f"beside it: `lightning-3d prepare {beside} {path}`, and pass that."
         )
     if not path.is_file() or not meta_file.is_file():
         raise FileNotFoundError(

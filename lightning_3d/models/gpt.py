@@ -426,8 +426,8 @@ def check_optimizer_settings(
     def bad(name: str, value: Any, want: str) -> ValueError:
         return ValueError(f"{name}={value!r} is invalid: {want}.")
 
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise bad("lr (optim.lr)", lr, "the learning rate must be a finite positive number, e.g. 3e-4")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise bad("lr (optim.lr)", lr, "the learning rate must be a finite number >= 0, e.g. 3e-4")
     if not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
         raise bad("min_lr_ratio (optim.min_lr_ratio)", min_lr_ratio, "the final learning rate over the peak must be in [0, 1]")
     if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) or weight_decay < 0:

@@ -135,7 +135,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "recipe data.source=/nonexistent.bin": lambda: recipe("parallel=dp", "cluster.devices_per_node=1", "data.source=/nonexistent.bin"),
         "recipe model.init_from=/nonexistent": lambda: recipe("parallel=dp", "cluster.devices_per_node=1", "model.init_from=/nonexistent"),
         "recipe trainer.max_steps=-5": lambda: run([PY, str(ROOT / "recipes" / "train.py"), "parallel=dp", "cluster.devices_per_node=1", "trainer.max_steps=-5", f"hydra.run.dir={TMP / 'run2'}"]),
-        "recipe optim.lr=0": lambda: recipe("parallel=dp", "cluster.devices_per_node=1", "optim.lr=0"),
+        "recipe optim.lr=-1e-3": lambda: recipe("parallel=dp", "cluster.devices_per_node=1", "optim.lr=-1e-3"),
         "recipe data.global_batch_size=3 at dp2": lambda: recipe("parallel=dp", "cluster.devices_per_node=2", "data.global_batch_size=3"),
         "recipe ckpt_path=/not/there": lambda: recipe("parallel=dp", "cluster.devices_per_node=1", "ckpt_path=/not/there"),
         # Hugging Face layouts
