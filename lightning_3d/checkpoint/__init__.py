@@ -1,4 +1,5 @@
-"""Checkpoint I/O. Today: atomic single-file saves; sharded, resharding checkpoints come later."""
+"""Checkpoints: sharded directories that reshard across layouts (sharded.py, manager.py, formats.py), dense
+single files saved atomically (atomic.py), consolidation and Hugging Face export (consolidate.py, hf_export.py)."""
 
 from lightning_3d.checkpoint.atomic import AtomicCheckpointIO
 

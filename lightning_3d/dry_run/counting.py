@@ -73,14 +73,6 @@ class Traffic:
         self.calls[(group, op)] += 1
         self.nbytes[(group, op)] += nbytes
 
-    def by_group(self, names: Callable[[Any], str], include_received: bool = False) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for (group, op), n in self.nbytes.items():
-            if op == "recv" and not include_received:
-                continue
-            out[names(group)] += n
-        return dict(out)
-
     def scaled(self, factor: float) -> "Traffic":
         out = Traffic()
         for key, n in self.nbytes.items():

@@ -498,9 +498,6 @@ class ZeroOptimizer:
         for _, grad in self._grad_slices():
             grad.mul_(inv_scale)
 
-    def local_overflow(self) -> bool:
-        return any(not torch.isfinite(grad).all() for _, grad in self._grad_slices())
-
     def grad_norm_squared(self) -> Tensor:
         """Sum of squared gradient entries over the whole model (a collective over dp, tp and pp)."""
         device = self.buckets[0].param_buf.device if self.buckets else current_compute_device()
