@@ -32,12 +32,7 @@ from lightning_3d import rank_zero
 from lightning_3d.activation_checkpointing import attention_of, check_mode, checkpoint_blocks
 from lightning_3d.collectives import broadcast_module_state, broadcast_tensor_parallel_replicas
 from lightning_3d.config import ParallelConfig
-from lightning_3d.context_parallel.apply import (
-    ContextParallel,
-    apply_context_parallel,
-    remove_context_parallel,
-    shard_inputs,
-)
+from lightning_3d.context_parallel.apply import ContextParallel, shard_inputs, unshard_inputs
 from lightning_3d.loss_normalization import normalize_over_data_parallel
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
@@ -149,6 +144,36 @@ def context_parallel_of(topology: Topology, config: ParallelConfig) -> Optional[
         config.context_parallel_mode,
         split_after=config.tensor_parallel if config.sequence_parallel else 1,
     )
+
+
+def remove_context_parallel(root: nn.Module) -> None:
+    """Undo an earlier set-up's context parallelism on the models inside ``root`` (input split and
+    seams), so that the next set-up (``fit`` after ``validate``, another layout) rebuilds its
+    wrappers in order: the loss normalization it may add must sit inside the input split."""
+    for _, model, _, adapter in find_sequences(root):
+        if unshard_inputs(model) and adapter is not None:
+            adapter.context_parallel(model, None)
+
+
+def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
+    """Give every model with a layer sequence inside ``root`` context-parallel attention and positions
+    (through its family's adapter); returns how many models. The input wrapper comes later
+    (``shard_inputs``), outside the loss normalization and the pipeline runtime."""
+    found = find_sequences(root)
+    if not found:
+        raise ValueError(
+            f"context_parallel={cp.size} found no model with a layer sequence in {type(root).__name__} (model families: "
+            f"{known_names()}); build the model in configure_model(), or use context_parallel=1."
+        )
+    for name, model, _, adapter in found:
+        if adapter is None:
+            raise NotImplementedError(
+                f"context_parallel={cp.size}: model {name or type(model).__name__!r} declares its own layer sequence, but "
+                f"no model family adapter says where its positions and attention are, which context parallelism must "
+                f"replace; use a registered family ({known_names()}) or context_parallel=1."
+            )
+        adapter.context_parallel(model, cp)
+    return len(found)
 
 
 def _materialize(module: nn.Module, config: ParallelConfig, device: torch.device) -> bool:

@@ -1,6 +1,6 @@
 """Context parallelism applied from outside: each cp rank keeps its chunks of every sequence.
 
-A forward meets three pieces, installed by :func:`apply_context_parallel`:
+A forward meets three pieces, installed by ``parallelize.apply_context_parallel``:
 
 1. The model's ``forward`` is wrapped (outermost, around the loss normalization and the pipeline
    runtime): every tensor argument whose dim 1 is the sequence length of the first tensor
@@ -137,7 +137,7 @@ def _combined_eval_loss(loss: Tensor, count: int, cp: ContextParallel) -> Tensor
 def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel) -> None:
     """Wrap ``model.forward``: sequence-shaped inputs -> local chunks; outputs as the module docstring
     says. Applied last, over whatever ``forward`` is then (loss normalization, pipeline runtime); a
-    wrapper from an earlier set-up must be removed first (:func:`remove_context_parallel`)."""
+    wrapper from an earlier set-up must be removed first (:func:`unshard_inputs`)."""
     if getattr(model, "_context_parallel", None) is not None:
         raise RuntimeError("shard_inputs: the model's forward is already split for context parallelism.")
     original = model.forward
@@ -175,39 +175,10 @@ def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel)
     model._context_parallel_inner = original  # type: ignore[attr-defined]
 
 
-def remove_context_parallel(root: nn.Module) -> None:
-    """Undo an earlier set-up's context parallelism on the models inside ``root`` (input split and
-    seams), so that the next set-up (``fit`` after ``validate``, another layout) rebuilds its
-    wrappers in order: the loss normalization it may add must sit inside the input split."""
-    from lightning_3d.models.adapters.registry import find_sequences
-
-    for _, model, _, adapter in find_sequences(root):
-        if getattr(model, "_context_parallel", None) is None:
-            continue
-        model.forward = model._context_parallel_inner  # type: ignore[method-assign]
-        del model._context_parallel, model._context_parallel_inner
-        if adapter is not None:
-            adapter.context_parallel(model, None)
-
-
-def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
-    """Give every model with a layer sequence inside ``root`` context-parallel attention and positions
-    (through its family's adapter); returns how many models. The input wrapper comes later
-    (:func:`shard_inputs`), outside the loss normalization and the pipeline runtime."""
-    from lightning_3d.models.adapters.registry import find_sequences, known_names
-
-    found = find_sequences(root)
-    if not found:
-        raise ValueError(
-            f"context_parallel={cp.size} found no model with a layer sequence in {type(root).__name__} (model families: "
-            f"{known_names()}); build the model in configure_model(), or use context_parallel=1."
-        )
-    for name, model, _, adapter in found:
-        if adapter is None:
-            raise NotImplementedError(
-                f"context_parallel={cp.size}: model {name or type(model).__name__!r} declares its own layer sequence, but "
-                f"no model family adapter says where its positions and attention are, which context parallelism must "
-                f"replace; use a registered family ({known_names()}) or context_parallel=1."
-            )
-        adapter.context_parallel(model, cp)
-    return len(found)
+def unshard_inputs(model: nn.Module) -> bool:
+    """Undo :func:`shard_inputs` on ``model`` (``False`` if it was not split)."""
+    if getattr(model, "_context_parallel", None) is None:
+        return False
+    model.forward = model._context_parallel_inner  # type: ignore[method-assign]
+    del model._context_parallel, model._context_parallel_inner
+    return True
