@@ -435,9 +435,9 @@ class ThreeDParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self._optimizer_state_device())
-            self._install_replica_guard(trainer)
+            self._install_fit_callbacks(trainer)
 
-    def _install_replica_guard(self, trainer: Trainer) -> None:
+    def _install_fit_callbacks(self, trainer: Trainer) -> None:
         """The callbacks the strategy brings while fitting: the SIGTERM handling (a checkpoint at the
         signal's step, every rank together) and the replica guard."""
         if self._preemption not in trainer.callbacks:

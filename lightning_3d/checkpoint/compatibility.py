@@ -93,11 +93,11 @@ def _holds_every_layer(module: nn.Module) -> bool:
     return not any(type(m).__name__ == "PipelineStub" for m in module.modules())
 
 
-def _architecture_refusal(module: nn.Module, checkpoint: Mapping[str, Any], strict: bool) -> str:
-    """Why the checkpoint is of another architecture although no tensor shape tells (or "")."""
-    source = checkpoint["state_dict"]
-    reader = getattr(source, "checkpoint", None)
-    ours, theirs = dense_shapes(module), stored_shapes(source)
+def _architecture_refusal(
+    module: nn.Module, reader: Any, ours: dict[str, tuple[int, ...]], theirs: dict[str, tuple[int, ...]], strict: bool
+) -> str:
+    """Why the checkpoint is of another architecture although no tensor shape tells (or ""); ``ours`` /
+    ``theirs``: the dense shapes of the model and of the checkpoint."""
     reasons = []
     saved = (reader.manifest.get("model") or {}).get("dims") if reader is not None else None
     if saved and strict:  # (strict_loading=False: a subset on purpose; shapes are still checked)
@@ -135,7 +135,7 @@ def check_compatible(module: nn.Module, checkpoint: Mapping[str, Any], strict: b
     ours, theirs = dense_shapes(module), stored_shapes(source)
     wrong = [(n, theirs[n], ours[n]) for n in ours if n in theirs and theirs[n] != ours[n]]
     if not wrong:
-        refusal = _architecture_refusal(module, checkpoint, strict)
+        refusal = _architecture_refusal(module, reader, ours, theirs, strict)
         if refusal:
             raise ValueError(refusal)
         return
