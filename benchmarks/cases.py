@@ -12,10 +12,10 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-from lightning_3d.callbacks import TokenThroughput
 from lightning_3d.data import TextDataModule
 from lightning_3d.models import GPTConfig, GPTModule
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.monitoring.callbacks import TokenThroughput
+from lightning_3d.testing.harness import run_on_ranks
 
 BENCH_GPT = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {}

@@ -15,7 +15,7 @@ import torch
 from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.data import TextDataModule
 from lightning_3d.models import GPTConfig, GPTModule
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 
 CKPT_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=8, n_embd=256)
 LAYOUT = dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, zero_stage=1)

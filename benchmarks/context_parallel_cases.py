@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_3d.callbacks import MemoryProbe, TokenThroughput
 from lightning_3d.data import TextDataModule
 from lightning_3d.models import GPTConfig, GPTModule
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.monitoring.callbacks import MemoryProbe, TokenThroughput
+from lightning_3d.testing.harness import run_on_ranks
 
 CP_GPT = dict(
     vocab_size=256,

@@ -142,8 +142,8 @@ def cluster_profile(device_name: Optional[str]) -> tuple[str, str]:
 @functools.lru_cache(maxsize=None)
 def load_profile(name: str) -> Any:
     """``conf/cluster/<name>`` as the planner's ``ClusterSpec`` (composed by Hydra, as ``plan`` does)."""
+    from lightning_3d.core.compose import compose_config
     from lightning_3d.planner import load_cluster
-    from lightning_3d.recipe import compose_config
 
     return load_cluster(compose_config([f"cluster={name}"]).cluster)
 
@@ -218,7 +218,7 @@ def corpus_file(n_bytes: int) -> Path:
 def model_flops(config: Any, batch: int) -> float:
     """FLOPs of one step as the planner counts them (``ModelShape.step_flops``: Narayanan et al.,
     no recompute), so measured and predicted MFU are the same ratio."""
-    from lightning_3d.planner.model_shape import ModelShape
+    from lightning_3d.core.model_shape import ModelShape
 
     return ModelShape.from_config(asdict(config)).step_flops(batch, 0.0)
 

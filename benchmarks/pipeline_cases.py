@@ -24,14 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_3d.core.topology import ParallelDims, Topology
 from lightning_3d.data import TokenWindows, stdlib_bytes
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.models.adapters.gpt import gpt_sequence
 from lightning_3d.pipeline.runtime import PipelineConfig, StepStats, mean_costs, pipeline_model
 from lightning_3d.pipeline.schedules import build_schedule, theoretical_bubble
 from lightning_3d.pipeline.simulator import simulate
-from lightning_3d.testing import run_on_ranks
-from lightning_3d.topology import ParallelDims, Topology
+from lightning_3d.testing.harness import run_on_ranks
 
 PIPE_GPT = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 BATCH, MICRO = 16, 4

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_3d.core.compose import compose_config
 from lightning_3d.planner import Planner, best_completion, rank
 from lightning_3d.planner.published import A100_3D, H100, PublishedRun, problem, zero3_table_2
-from lightning_3d.recipe import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
@@ -101,7 +101,7 @@ def search_speed(repeats: int = 3) -> dict[str, Any]:
     H100s and Llama 3 70B/405B; the search alone is reported too."""
     out: dict[str, Any] = {"case": "planner_search_speed"}
     for nodes, model in ((128, "llama3_70b"), (512, "llama3_405b")):
-        cmd = [sys.executable, "-m", "lightning_3d.cli", "plan", f"model={model}", "cluster=h100_80g_64nodes",
+        cmd = [sys.executable, "-m", "lightning_3d.apps.cli", "plan", f"model={model}", "cluster=h100_80g_64nodes",
                "data.global_batch_size=1024", "trainer.precision=bf16-mixed", "--nodes", str(nodes), "--format", "json"]
         walls = []
         for _ in range(repeats):

@@ -5,14 +5,14 @@ Importing this package registers the strategy name ``"3d"``, so ``Trainer(strate
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_3d import precision_flag
 from lightning_3d.checkpoint.consolidate import load_from_checkpoint
-from lightning_3d.config import ParallelConfig
-from lightning_3d.pretrained import from_pretrained, load_pretrained_
-from lightning_3d.strategy import ThreeDParallelStrategy
-from lightning_3d.topology import Coordinates, ParallelDims, Topology
+from lightning_3d.checkpoint.pretrained import from_pretrained, load_pretrained_
+from lightning_3d.core import __version__
+from lightning_3d.core.config import ParallelConfig
+from lightning_3d.core.topology import Coordinates, ParallelDims, Topology
+from lightning_3d.plugins.precision import install_precision_check
+from lightning_3d.plugins.strategy import ThreeDParallelStrategy
 
-__version__ = "0.1.0"
 
 StrategyRegistry.register(
     ThreeDParallelStrategy.strategy_name,
@@ -20,7 +20,7 @@ StrategyRegistry.register(
     description="lightning_3d: data x tensor x pipeline parallel with ZeRO",
     override=True,
 )
-precision_flag.install()  # Trainer(strategy="3d", precision=<unsupported>) is refused by name, not by ImportError
+install_precision_check()  # Trainer(strategy="3d", precision=<unsupported>) is refused by name, not by ImportError
 
 __all__ = [
     "Coordinates",

@@ -20,10 +20,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import lightning_3d  # noqa: F401  (registers the "3d" strategy)
-from lightning_3d.cli import user_errors
-from lightning_3d.launch_guard import end_multirun_job
-from lightning_3d.preemption import EXIT_CODE, TrainingInterrupted
-from lightning_3d.recipe import CONF_DIR, check_command_line, train
+from lightning_3d.apps.cli import user_errors
+from lightning_3d.apps.recipe import end_multirun_job, check_command_line, train
+from lightning_3d.core.compose import CONF_DIR
+from lightning_3d.resilience.preemption import EXIT_CODE, TrainingInterrupted
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

@@ -1,4 +1,4 @@
-"""Every multi-rank test runs under NCCL's rules (lightning_3d/strict_comm.py): the harness's worlds,
+"""Every multi-rank test runs under NCCL's rules (lightning_3d/testing/strict_comm.py): the harness's worlds,
 and ranks that Lightning or torchrun launch (they inherit the variable and the strategy reads it)."""
 
 import os

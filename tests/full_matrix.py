@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.matrix import Cell, cells_by_world, check_cell, full_matrix, refusal, run_references, run_world
 
 CHUNK = 64

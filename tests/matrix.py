@@ -36,7 +36,7 @@ from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.data import stdlib_bytes
 from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.models.gpt import IGNORE_INDEX
-from lightning_3d.precision import ThreeDPrecision
+from lightning_3d.plugins.precision import ThreeDPrecision
 from tests.helpers import LossRecorder, quiet_trainer
 
 # -- the factors -----------------------------------------------------------------------------------

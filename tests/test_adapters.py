@@ -15,16 +15,16 @@ import torch
 from torch import nn
 
 from lightning_3d import ThreeDParallelStrategy
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.models.adapters import adapter_for, adapter_for_hf_config, find_models, find_sequences, models_in
-from lightning_3d.planner.model_shape import ModelShape
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks, tiny_data
 
 transformers = pytest.importorskip("transformers")
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_3d"
-GENERIC = ("tensor_parallel", "pipeline", "checkpoint", "zero", "planner", "activation_checkpointing.py", "layout_rules.py")
+GENERIC = ("core", "testing", "tensor_parallel", "pipeline", "context_parallel", "zero", "transforms", "checkpoint", "planner", "monitoring", "parallel", "resilience", "plugins")
 # the registry and the interface are the one way into model families; no model module is imported
 ALLOWED = ("lightning_3d.models.adapters.registry", "lightning_3d.models.adapters.base")
 HF_CLASS_NAMES = ("LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM")
@@ -73,7 +73,7 @@ def model_knowledge(path: Path) -> list[str]:
 
 def test_generic_code_imports_no_model():
     files = _generic_files()
-    assert len(files) > 20 and PACKAGE / "layout_rules.py" in files
+    assert len(files) > 20 and PACKAGE / "core" / "layout_rules.py" in files
     offenders = {str(p.relative_to(PACKAGE)): f for p in files if (f := model_knowledge(p))}
     assert not offenders, offenders
 
@@ -338,7 +338,7 @@ def test_a_users_adapter_wins_over_the_generic_one():
 
 def test_the_no_plan_hint_lists_the_layers_of_a_model_built_in_init():
     """litgpt-style: the model is built in __init__, no family knows it; the hint names its layers as patterns."""
-    from lightning_3d.parallelize import _plan_hint
+    from lightning_3d.parallel.parallelize import _plan_hint
 
     class Block(nn.Module):
         def __init__(self) -> None:

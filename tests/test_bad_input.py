@@ -17,9 +17,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d import cli
+from lightning_3d.apps import cli
 from lightning_3d.checkpoint.sharded import FORMAT, MANIFEST, CheckpointError, latest_complete
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 
 
@@ -261,7 +261,7 @@ def test_a_recipes_ckpt_path_last_finds_the_run_it_means(tmp_path):
     directory and started from step 0 (exit 0). It means the newest complete checkpoint of this run, else
     of an earlier run of the same command (its overrides); a run with other overrides (a sweep's other
     job, another experiment) is never taken (found in review); nothing is an error saying where it looked."""
-    from lightning_3d.recipe import resolve_ckpt_path
+    from lightning_3d.apps.recipe import resolve_ckpt_path
 
     def run(name: str, *overrides: str) -> Path:
         directory = outputs / name

@@ -27,8 +27,8 @@ from torch import nn
 from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.data import TextDataModule, TokenWindows, stdlib_bytes, write_token_file
 from lightning_3d.models import GPTConfig, GPTModule
-from lightning_3d.precision import DynamicLossScaler, ThreeDPrecision
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.plugins.precision import DynamicLossScaler, ThreeDPrecision
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import TINY_GPT, quiet_trainer, result_of, run_checks, tiny_data
 
 

@@ -69,7 +69,7 @@ def _zbv_on_rank(side: str, steps: int) -> dict:
 
 def test_zbv_comparison_equal_work(pc) -> None:
     """Ours and torch's ZB-V compute the same losses on the first two steps (same init and data)."""
-    from lightning_3d.testing import run_on_ranks
+    from lightning_3d.testing.harness import run_on_ranks
 
     ours = run_on_ranks(_zbv_on_rank, 2, "ours", 4, timeout=300)[0]["losses"]
     theirs = run_on_ranks(_zbv_on_rank, 2, "torch", 4, timeout=300)[0]["losses"]

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.checkpoint.consolidated import _sharded_spec, to_dense
-from lightning_3d.testing import RankError, run_on_ranks
+from lightning_3d.checkpoint.dense_state import _sharded_spec, to_dense
+from lightning_3d.testing.harness import RankError, run_on_ranks
 from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
 
 STEPS, SAVE_AT = 6, 3

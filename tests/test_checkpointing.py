@@ -23,7 +23,7 @@ from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.checkpoint.consolidate import consolidate, export_hf
 from lightning_3d.checkpoint.sharded import CheckpointError, ShardedCheckpoint, latest_complete
 from lightning_3d.models import GPT, GPTConfig
-from lightning_3d.testing import free_port, run_on_ranks
+from lightning_3d.testing.harness import free_port, run_on_ranks
 from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_tensor_parallel_training import HFCausalLM
 

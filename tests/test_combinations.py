@@ -35,8 +35,8 @@ from torch import nn
 
 from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.models import GPT, GPTConfig, GPTModule
-from lightning_3d.precision import ThreeDPrecision
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.plugins.precision import ThreeDPrecision
+from lightning_3d.testing.harness import run_on_ranks
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.matrix import Cell, check_cell, run_cell, run_references
@@ -223,8 +223,8 @@ def partial_state(b_has_state: bool) -> dict[str, float]:
 def masked_replica() -> dict[str, float]:
     """dp=2 where rank 0's targets are all masked: its share of the batch mean is zero (not 0/0 = NaN),
     and the averaged gradient is one process's on the whole batch."""
-    from lightning_3d.loss_normalization import normalize_over_data_parallel
     from lightning_3d.models.adapters.gpt import gpt_sequence
+    from lightning_3d.transforms.loss_normalization import normalize_over_data_parallel
 
     config = GPTConfig(**TINY_GPT)
     g = torch.Generator().manual_seed(3)

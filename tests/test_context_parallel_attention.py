@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lightning_3d.context_parallel import all_to_all_attention, local_positions, ring_attention, shard_sequence, unshard_sequence
 from lightning_3d.context_parallel.ring import CPU_FLASH, MATH
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import result_of, run_checks
 
 B, T, D, HEADS = 2, 64, 16, 8

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.callbacks import MemoryProbe
 from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.models.gpt import IGNORE_INDEX
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.monitoring.callbacks import MemoryProbe
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import STEPS, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data
 
 GPT2 = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)

@@ -21,7 +21,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import (
     STEPS,
     LossRecorder,

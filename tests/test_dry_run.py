@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from lightning_3d.dry_run import dry_run, roles
-from lightning_3d.recipe import compose_config
-from lightning_3d.topology import ParallelDims
+from lightning_3d.apps.dry_run import dry_run, roles
+from lightning_3d.core.compose import compose_config
+from lightning_3d.core.topology import ParallelDims
 
 
 def _run(recipe, *overrides, stages=True):
@@ -71,7 +71,7 @@ def test_llama3_70b_activations_match_the_planner():
 
 
 def test_an_over_full_layout_fails_with_the_rank_and_its_bytes():
-    cmd = [sys.executable, "-m", "lightning_3d.cli", "dry-run", "recipe=bloom_176b", "data.source=unused",
+    cmd = [sys.executable, "-m", "lightning_3d.apps.cli", "dry-run", "recipe=bloom_176b", "data.source=unused",
            "parallel.activation_checkpointing=null", "--ranks", "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr[-2000:]
@@ -83,7 +83,7 @@ def test_llama3_405b_on_8192_ranks_runs_in_a_minute():
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cmd = [sys.executable, "-m", "lightning_3d.cli", "dry-run", "recipe=llama3_405b", "data.source=unused"]
+    cmd = [sys.executable, "-m", "lightning_3d.apps.cli", "dry-run", "recipe=llama3_405b", "data.source=unused"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "8192 ranks" in out.stdout and "fits" in out.stdout

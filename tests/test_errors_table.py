@@ -33,26 +33,26 @@ import torch
 from torch import nn
 
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
-from lightning_3d.activation_checkpointing import attention_of
+from lightning_3d.apps.plan_cli import parse_layout
 from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.sharded import FORMAT, CheckpointError, ShardedCheckpoint, _crc32, latest_complete, read_manifest
+from lightning_3d.core.compose import compose_config
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.data import TextDataModule, TokenWindows
 from lightning_3d.data.corpus import prepare_byte_tokens, read_token_file, split_tokens
 from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.models.adapters.gpt import gpt_plan
 from lightning_3d.models.adapters.hf_sequence import hf_inputs as _hf_inputs
-from lightning_3d.parallelize import apply_activation_checkpointing
+from lightning_3d.parallel.parallelize import apply_activation_checkpointing
 from lightning_3d.pipeline.partition import partition
 from lightning_3d.planner import problem_from_config
-from lightning_3d.planner.cli import parse_layout
 from lightning_3d.planner.hardware import ClusterSpec, DeviceSpec, load_cluster
 from lightning_3d.planner.memory import zero_model_state_bytes
-from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.planner.search import Planner, Problem, best_completion
-from lightning_3d.precision import DynamicLossScaler, ThreeDPrecision, global_grad_norm
-from lightning_3d.recipe import compose_config
+from lightning_3d.plugins.precision import DynamicLossScaler, ThreeDPrecision, global_grad_norm
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_3d.tensor_parallel.plans import PlanContext, TensorParallelPlan, apply_plan
+from lightning_3d.transforms.activation_checkpointing import attention_of
 from lightning_3d.zero.coordinator import ZeroCoordinator
 from lightning_3d.zero.fsdp import apply_zero3
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore
@@ -101,7 +101,7 @@ def exits(argv: list[str], code: int = 2) -> Callable[[], Observed]:
     """``lightning-3d ARGV`` must end with ``code``; observed: ``("exit <code>", stderr)``."""
 
     def trigger() -> Observed:
-        from lightning_3d.cli import main
+        from lightning_3d.apps.cli import main
 
         err, out = io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
@@ -132,7 +132,7 @@ def on_train_start(strategy: ThreeDParallelStrategy, loader: torch.utils.data.Da
 
 
 def apply_pipeline(module: nn.Module) -> None:
-    from lightning_3d.parallelize import apply_pipeline as split
+    from lightning_3d.parallel.parallelize import apply_pipeline as split
 
     split(module, None, ParallelConfig(pipeline_parallel=2))  # type: ignore[arg-type]  # refused before the topology is read
 

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-import lightning_3d.fault as fault
-import lightning_3d.launch_guard as launch_guard
+import lightning_3d.resilience.fault as fault
+import lightning_3d.resilience.launch_guard as launch_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "fault_worker.py"
@@ -149,7 +149,7 @@ def test_after_a_collective_fails_one_rank_diagnoses_and_the_others_wait_for_its
 
 
 def test_only_the_recorded_process_is_killed_even_when_stopped():
-    from lightning_3d.launch_guard import kill_if_here, process_record
+    from lightning_3d.resilience.launch_guard import kill_if_here, process_record
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -167,8 +167,8 @@ def test_only_the_recorded_process_is_killed_even_when_stopped():
 
 REENTRY = """
 import os, signal, time
-import lightning_3d.fault as fault
-from lightning_3d import launch_guard
+import lightning_3d.resilience.fault as fault
+from lightning_3d.resilience import launch_guard
 
 signal.signal(signal.SIGUSR2, lambda *_: fault._exit_with("lightning_3d: again"))
 
@@ -206,7 +206,7 @@ class Job:
         environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
         environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIGHTNING_3D_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
         environ.update(env)
-        from lightning_3d.testing import free_port
+        from lightning_3d.testing.harness import free_port
 
         environ["MASTER_PORT"] = str(free_port())
         with open(self.log, "w") as log:

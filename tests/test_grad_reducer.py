@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from lightning_3d.zero.grad_reducer import GradientReducer
 from tests.helpers import result_of, run_checks
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_3d.testing import RankError, run_on_ranks
-from lightning_3d.topology import ParallelDims, Topology
+from lightning_3d.core.topology import ParallelDims, Topology
+from lightning_3d.testing.harness import RankError, run_on_ranks
 
 
 def rank_info() -> dict:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch.distributed as dist
 
-import lightning_3d.fault as fault
+import lightning_3d.resilience.fault as fault
 
 INTERVAL = 0.05
 LOCAL = ("clone", "set_timeout", "timeout", "has_extended_api")  # no request reaches the store host

@@ -117,7 +117,7 @@ import lightning as L  # noqa: E402
 from lightning_3d import ThreeDParallelStrategy  # noqa: E402
 from lightning_3d.checkpoint.hf_export import export_hf  # noqa: E402
 from lightning_3d.models import GPTConfig, GPTModule  # noqa: E402
-from lightning_3d.testing import run_on_ranks  # noqa: E402
+from lightning_3d.testing.harness import run_on_ranks  # noqa: E402
 from tests.helpers import TINY_GPT, quiet_trainer, result_of, run_checks, tiny_data  # noqa: E402
 from tests.test_tensor_parallel_training import HFCausalLM  # noqa: E402
 
@@ -204,7 +204,7 @@ def test_llama_style_gpt_exports_as_llama(saved, tmp_path: Path) -> None:
 
 
 def test_cli_export_copies_the_tokenizer_and_casts(saved, tmp_path: Path, capsys) -> None:
-    from lightning_3d.cli import main
+    from lightning_3d.apps.cli import main
 
     tok = tmp_path / "tok"
     tok.mkdir()

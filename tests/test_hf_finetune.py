@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_3d import ThreeDParallelStrategy, from_pretrained
 from lightning_3d.checkpoint.hf_export import export_hf
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks
 from tests.hf_families import FAMILIES, NO_PLAN, VOCAB, hf_family_config, make_family_checkpoint
 from tests.test_launchers import ROOT, _run
@@ -317,7 +317,7 @@ def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path,
     """``model.init_from`` in a recipe at tp2 (the byte corpus needs a 256-token vocabulary), then
     ``lightning-3d export`` of the run's checkpoint (the command's entry, in this process):
     config, weights and init_from's tokenizer."""
-    from lightning_3d.cli import main as cli_main
+    from lightning_3d.apps.cli import main as cli_main
 
     import transformers
 
@@ -358,8 +358,8 @@ def test_a_head_built_next_to_a_pretrained_model_keeps_its_weights(two) -> None:
 def test_bf16_true_keeps_computed_buffers_in_fp32(tmp_path: Path) -> None:
     """bf16-true casts parameters, not the rotary inv_freq (in bf16 positions past a few dozen
     rotate by wrong angles; transformers keeps it in fp32 too)."""
-    from lightning_3d.precision import ThreeDPrecision
-    from lightning_3d.pretrained import load_pretrained_
+    from lightning_3d.checkpoint.pretrained import load_pretrained_
+    from lightning_3d.plugins.precision import ThreeDPrecision
 
     model = from_pretrained(make_checkpoint("llama", tmp_path))
     load_pretrained_(model, "cpu")

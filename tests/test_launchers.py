@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_3d.testing import free_port, run_on_ranks
+from lightning_3d.testing.harness import free_port, run_on_ranks
 from tests.helpers import STEPS, TINY_GPT, gpt_losses
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""One set of layout rules (lightning_3d.layout_rules) for the strategy and the planner: the planner
+"""One set of layout rules (lightning_3d.core.layout_rules) for the strategy and the planner: the planner
 never proposes a layout the strategy refuses, ``plan --layout`` says why it refuses one, and the
 strategy refuses the same layouts at set-up, every reason at once."""
 
@@ -13,15 +13,15 @@ import torch
 from torch import nn
 
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
-from lightning_3d.layout_rules import raise_refusals
+from lightning_3d.apps.plan_cli import plan_main
+from lightning_3d.core.compose import compose_config
+from lightning_3d.core.layout_rules import raise_refusals
 from lightning_3d.models import GPT, GPTConfig
-from lightning_3d.planner import Planner, Problem, Software, best_completion, problem_from_config
-from lightning_3d.pipeline.partition import partition
-from lightning_3d.planner.cli import plan_main
-from lightning_3d.recipe import compose_config
 from lightning_3d.models.adapters.gpt import GPT_ADAPTER, gpt_plan
 from lightning_3d.models.adapters.registry import models_in
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.pipeline.partition import partition
+from lightning_3d.planner import Planner, Problem, Software, best_completion, problem_from_config
+from lightning_3d.testing.harness import run_on_ranks
 
 from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
 
@@ -33,7 +33,7 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 
 def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    from lightning_3d.cli import main
+    from lightning_3d.apps.cli import main
 
     try:
         code = main(list(argv))
@@ -114,7 +114,7 @@ def test_plan_layout_with_zero3_and_a_pipeline_says_why(capsys):
 
 def test_plan_layout_that_no_candidate_satisfies_counts_the_rules():
     """No reason shared by every candidate: each rule's count of excluded candidates, with an example."""
-    from lightning_3d.layout_rules import LayoutRefused
+    from lightning_3d.core.layout_rules import LayoutRefused
 
     software = Software("zero0_or_3", zero_stages=(0, 3), offload=("none", "cpu"))
     problem = _problem("cluster.devices_per_node=2")
@@ -159,8 +159,8 @@ TWO = ("cluster.devices_per_node=2",)
     ],
 )
 def test_plan_layout_names_each_rule(overrides, kwargs, layout, excerpt):
-    from lightning_3d.layout_rules import LayoutRefused
-    from lightning_3d.planner.cli import parse_layout
+    from lightning_3d.apps.plan_cli import parse_layout
+    from lightning_3d.core.layout_rules import LayoutRefused
 
     with pytest.raises(LayoutRefused) as info:
         best_completion(Planner(_problem(*overrides, **kwargs)), parse_layout(layout))
@@ -206,7 +206,7 @@ def test_the_planners_options_are_exactly_the_candidates_no_rule_refuses():
 def test_planner_and_strategy_refuse_a_layout_for_the_same_reasons():
     """The planner's refusals of a candidate, less its own (batch splitting, software profile),
     are the strategy's refusals of the keywords that candidate runs with."""
-    from lightning_3d.layout_rules import layout_refusals
+    from lightning_3d.core.layout_rules import layout_refusals
 
     planner = Planner(_problem("cluster.devices_per_node=4", "model.n_head=6", "model.n_embd=96", "model.n_layer=3"))
     p = planner.problem
@@ -266,7 +266,7 @@ def test_models_in_finds_the_outermost_known_models():
 @pytest.mark.parametrize("heads,kv,ffn", [(4, 4, 128), (4, 2, 96), (6, 3, 120), (8, 1, 64)])
 def test_the_tensor_parallel_plan_checks_with_the_shared_rules(heads, kv, ffn):
     """The built-in plan refuses exactly what the rules refuse (it calls them), for tp 1..8."""
-    from lightning_3d.layout_rules import ModelDims, check_tensor_parallel, tensor_parallel_refusals
+    from lightning_3d.core.layout_rules import ModelDims, check_tensor_parallel, tensor_parallel_refusals
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=heads, n_kv_head=kv, n_embd=8 * heads, ffn_hidden=ffn))
     plan = gpt_plan(model)
@@ -298,7 +298,7 @@ def test_strategy_refuses_at_setup_with_the_shared_rules():
 
 # -- context parallelism -----------------------------------------------------------------------------------------
 def _shape(**kw):
-    from lightning_3d.layout_rules import ModelDims
+    from lightning_3d.core.layout_rules import ModelDims
 
     return ModelDims(**{**dict(n_layer=4, hidden=64, n_head=8, n_kv_head=2, ffn=128, seq_len=1024), **kw})
 
@@ -313,7 +313,7 @@ def _shape(**kw):
     ],
 )
 def test_context_parallel_rules(kwargs, model, rule):
-    from lightning_3d.layout_rules import layout_refusals
+    from lightning_3d.core.layout_rules import layout_refusals
 
     found = [r.rule for r in layout_refusals(model=_shape(**model), **kwargs)]
     if kwargs.get("cp") == 3:
@@ -323,7 +323,7 @@ def test_context_parallel_rules(kwargs, model, rule):
 
 
 def test_context_parallel_accepts_what_it_can_run_and_counts_it_in_the_world():
-    from lightning_3d.layout_rules import layout_refusals
+    from lightning_3d.core.layout_rules import layout_refusals
 
     assert layout_refusals(model=_shape(), cp=4, tp=2, sequence_parallel=True, context_parallel_mode="all_to_all") == []
     assert layout_refusals(cp=4, tp=2, world_size=16) == []
@@ -332,9 +332,9 @@ def test_context_parallel_accepts_what_it_can_run_and_counts_it_in_the_world():
 
 
 def test_context_parallel_mode_is_validated_with_aliases():
-    from lightning_3d.config import ParallelConfig
+    from lightning_3d.core.config import ParallelConfig
 
-    assert ParallelConfig(context_parallel=2, context_parallel_mode="ulysses").context_parallel_mode == "all_to_all"
+    assert ParallelConfig(context_parallel=2, context_parallel_mode="ulysses").layout.context_parallel_mode == "all_to_all"
     with pytest.raises(ValueError, match=r"context_parallel_mode='bogus' is not supported; choose one of 'ring', 'all_to_all'"):
         ParallelConfig(context_parallel=2, context_parallel_mode="bogus")
     with pytest.raises(ValueError, match=r"context_parallel=0 is invalid"):

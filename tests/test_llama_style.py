@@ -21,11 +21,11 @@ from lightning_3d.checkpoint.consolidate import consolidate, export_hf
 from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.models.adapters.gpt import GPT_ADAPTER, gpt_plan, gpt_sequence
 from lightning_3d.models.gpt import apply_rotary, rotary_cos_sin
-from lightning_3d.parallelize import apply_activation_checkpointing
+from lightning_3d.parallel.parallelize import apply_activation_checkpointing
 from lightning_3d.tensor_parallel import PlanContext, RNGStatesTracker, apply_plan
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear
 from lightning_3d.tensor_parallel.random import seed_tracker
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import STEPS, TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data
 
 LLAMA = dict(
@@ -228,7 +228,7 @@ def llama_losses(tmp: Optional[str] = None, **strategy: Any) -> dict[str, Any]:
 
 
 def sharded_init_equals_dense() -> float:
-    from lightning_3d.checkpoint.consolidated import full_state_dict
+    from lightning_3d.checkpoint.dense_state import full_state_dict
 
     torch.manual_seed(5)
     dense = GPT(llama())

@@ -16,9 +16,10 @@ from hydra.utils import get_class
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from lightning_3d import rank_zero
+from lightning_3d.apps.recipe import build_logger
+from lightning_3d.core import rank_zero
+from lightning_3d.core.compose import compose_config
 from lightning_3d.planner import problem_from_config
-from lightning_3d.recipe import build_logger, compose_config
 from tests.test_launchers import _run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.matrix import Cell, cells_by_world, check_cell, covering_array, refusal, run_references, run_world
 
 CELLS = covering_array(strength=2)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from lightning_3d.zero import offload
 from lightning_3d.zero.offload import NVMeStateStore
 

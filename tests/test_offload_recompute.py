@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
 from lightning_3d.models import GPT, GPTConfig, GPTModule
-from lightning_3d.parallelize import apply_activation_checkpointing
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.parallel.parallelize import apply_activation_checkpointing
+from lightning_3d.testing.harness import run_on_ranks
 from lightning_3d.zero.offload import NVMeStateStore
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 

@@ -86,7 +86,7 @@ def test_installed_version(installed) -> None:
 def test_output_cut_short_by_its_reader_ends_quietly(tmp_path) -> None:
     """``lightning-3d --help | head -1``: the reader is gone before the command writes; no traceback."""
     env = _env() | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_3d.cli", "--help"], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_3d.apps.cli", "--help"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader quits at once (head -1 after its line)
     err = proc.stderr.read().decode()

@@ -20,11 +20,13 @@ from lightning_3d import ParallelConfig, ThreeDParallelStrategy
 from lightning_3d.data import TokenWindows, stdlib_bytes
 from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.pipeline.partition import partition
+from lightning_3d.pipeline.plan import Action, Post, Wait, communication_plan, is_compute
 from lightning_3d.pipeline.runtime import PipelineConfig, default_micro_batches, pipeline_model
-from lightning_3d.pipeline.schedules import Action, Post, Wait, build_plan, build_schedule, communication_plan, is_compute, theoretical_bubble
+from lightning_3d.pipeline.schedules import build_plan, build_schedule, theoretical_bubble
+from lightning_3d.pipeline.schedules import simulate_named
 from lightning_3d.pipeline.sequences import HeadOutput, LayerSequence
-from lightning_3d.pipeline.simulator import CommDeadlock, PlanError, ScheduleDeadlock, check_plan, check_schedule, simulate, simulate_named
-from lightning_3d.testing import RankError, run_on_ranks
+from lightning_3d.pipeline.simulator import CommDeadlock, PlanError, ScheduleDeadlock, check_plan, check_schedule, simulate
+from lightning_3d.testing.harness import RankError, run_on_ranks
 from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_tensor_parallel_training import HFCausalLM
 
@@ -139,7 +141,7 @@ def test_v_orders_are_torchs(name):
 
 
 def test_v_placement_puts_the_first_and_last_piece_on_rank_zero():
-    from lightning_3d.pipeline.schedules import piece_of, place
+    from lightning_3d.pipeline.plan import piece_of, place
 
     for p in (1, 2, 3, 8):
         assert [piece_of(p, r, 1, True) for r in range(p)] == list(range(2 * p - 1, p - 1, -1))
@@ -324,7 +326,7 @@ def wide_steps(model: torch.nn.Module, train: bool = True) -> list[dict[str, Any
 
 
 def wide_world(schedules: list[tuple[str, int]]) -> dict[str, Any]:
-    from lightning_3d.topology import ParallelDims, Topology
+    from lightning_3d.core.topology import ParallelDims, Topology
 
     topology = Topology.build(ParallelDims(dp=1, tp=1, pp=torch.distributed.get_world_size()))
     results = {}
@@ -402,7 +404,7 @@ def host_reads_logged(log: list[str]) -> Iterator[None]:
 
 
 def host_reads_world(schedules: list[tuple[str, int]]) -> dict[str, list[str]]:
-    from lightning_3d.topology import ParallelDims, Topology
+    from lightning_3d.core.topology import ParallelDims, Topology
 
     topology = Topology.build(ParallelDims(dp=2, tp=1, pp=2))
     out = {}
@@ -838,7 +840,7 @@ def _edge_model(block: torch.nn.Module) -> WideToy:
 
 
 def _edge_world(kind: str) -> Any:
-    from lightning_3d.topology import ParallelDims, Topology
+    from lightning_3d.core.topology import ParallelDims, Topology
 
     topology = Topology.build(ParallelDims(dp=1, tp=1, pp=2))
     model = _edge_model(IgnoresInput(8) if kind == "ignores" else ShapeShifter())
@@ -907,8 +909,8 @@ def test_zb_h1_at_measured_costs_is_never_slower_there_and_keeps_the_gradient_or
 
 def replan_world(replan_after: int, forced: Any) -> dict[str, Any]:
     """pp2 GPT under zb_h1 for 5 steps: losses and gradients, the agreed costs, the orders run."""
+    from lightning_3d.core.topology import ParallelDims, Topology
     from lightning_3d.models.adapters.gpt import gpt_sequence
-    from lightning_3d.topology import ParallelDims, Topology
 
     topology = Topology.build(ParallelDims(dp=1, tp=1, pp=2))
     module = tiny_gpt(**GPT4)

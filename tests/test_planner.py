@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 from omegaconf import OmegaConf
 
+from lightning_3d.apps.plan_cli import parse_layout
+from lightning_3d.core.compose import CONF_DIR, compose_config
 from lightning_3d.planner import (
     SOFTWARE,
     ActivationOptions,
@@ -25,11 +27,9 @@ from lightning_3d.planner import (
     with_nodes,
     zero_model_state_bytes,
 )
-from lightning_3d.planner.cli import parse_layout
 from lightning_3d.planner.published import A100_3D, PublishedRun
 from lightning_3d.planner.published import problem as published_problem
 from lightning_3d.planner.search import stage_layers
-from lightning_3d.recipe import CONF_DIR, compose_config
 
 
 
@@ -261,7 +261,7 @@ def test_an_unfitting_layout_is_reported_with_the_reason() -> None:
 def test_search_covers_a_1024_gpu_cluster() -> None:
     """128 nodes x 8 GPUs, Llama 3 70B: thousands of layouts, every one of them runnable by the
     strategy (ParallelConfig accepts it), the best fitting in memory."""
-    from lightning_3d.config import ParallelConfig
+    from lightning_3d.core.config import ParallelConfig
 
     cfg = compose("model=llama3_70b", "cluster=h100_80g_64nodes", "data.global_batch_size=512", "trainer.precision=bf16-mixed")
     from lightning_3d.planner import plan, problem_from_config
@@ -336,7 +336,7 @@ def test_layout_world_mismatch_is_explained() -> None:
 # -- the command -------------------------------------------------------------------------------------
 def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
     """``lightning-3d plan ARGS`` in this process (tests/test_packaging.py runs the installed command)."""
-    from lightning_3d.planner.cli import plan_main
+    from lightning_3d.apps.plan_cli import plan_main
 
     capsys.readouterr()
     code = plan_main(list(args))
@@ -445,7 +445,7 @@ def test_zb_h1_with_recompute_is_never_proposed() -> None:
     """The planner refuses zb_h1 with recomputation itself (the strategy runs it: the runtime may
     recompute a block for both I and W, which the time model does not count), and every layout it
     proposes passes the strategy's rules."""
-    import lightning_3d.layout_rules as layout_rules
+    import lightning_3d.core.layout_rules as layout_rules
 
     planner = Planner(_problem_small())
     proposed = [layout for degrees in planner.degrees() for layout in planner.options(*degrees)]

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_3d.planner import Planner, best_completion, rank, with_nodes
-from lightning_3d.planner.collectives import (
+from lightning_3d.planner.collective_cost import (
     LINK_EFFICIENCY,
     NCCL_2_9,
     NCCL_2_30,
@@ -149,7 +149,7 @@ def test_h100_rows_within_15_percent(run) -> None:  # type: ignore[no-untyped-de
 
 # -- the breakdown ----------------------------------------------------------------------------------
 def test_json_breakdown_shows_each_term(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_3d.planner.cli import plan_main
+    from lightning_3d.apps.plan_cli import plan_main
 
     code = plan_main(["model=gpt3_175b", "cluster=selene_mtnlg", "--nodes", "192", "--global-batch", "1536",
                       "--software", "deepspeed_zero3_2021", "--layout", "tp=1,pp=1,dp=1536,zero=3,recompute=full,mb=1",
@@ -175,8 +175,8 @@ def test_zero_1_counts_buckets_and_hides_grads_behind_backward() -> None:
 
 # -- context parallelism ----------------------------------------------------------------------------
 def _llama(model: str, seq: int, nodes: int, batch: int, cluster: str = "h100_80g_64nodes"):  # type: ignore[no-untyped-def]
+    from lightning_3d.core.compose import compose_config
     from lightning_3d.planner import problem_from_config
-    from lightning_3d.recipe import compose_config
 
     cfg = compose_config([f"model={model}", f"cluster={cluster}", f"model.block_size={seq}", "trainer.precision=bf16-mixed"])
     return problem_from_config(cfg, nodes=nodes, global_batch=batch)
@@ -205,9 +205,9 @@ def test_a_context_parallel_layout_runs_through_the_strategys_config() -> None:
     """strategy_kwargs carry context_parallel and its mode; ParallelConfig accepts them and
     resolves the same degrees; parallel=auto sets and clears them with the other planned keys;
     layout_of reads them back from a recipe."""
-    from lightning_3d.config import ParallelConfig
-    from lightning_3d.planner.apply import PLANNED_KEYS, layout_of
-    from lightning_3d.recipe import compose_config
+    from lightning_3d.core.compose import compose_config
+    from lightning_3d.core.config import ParallelConfig
+    from lightning_3d.planner.recipe_layout import PLANNED_KEYS, layout_of
 
     assert {"context_parallel", "context_parallel_mode"} <= set(PLANNED_KEYS)
     layout = Layout(8, 8, 16, schedule="interleaved_1f1b", virtual_stages=4, zero_stage=1, sequence_parallel=True,
@@ -227,7 +227,7 @@ def test_search_turns_to_context_parallelism_when_nothing_fits_without_it() -> N
     """Llama 3 8B at 1M tokens on 32 H100s: no cp=1 layout fits (one layer's recomputed activations
     and the logits alone exceed 80 GB); the best layouts split the sequence, and every one proposed
     is a layout the strategy accepts."""
-    from lightning_3d.config import ParallelConfig
+    from lightning_3d.core.config import ParallelConfig
     from lightning_3d.planner import plan
 
     result = plan(_llama("llama3_8b", 1 << 20, 4, 1))
@@ -243,7 +243,7 @@ def test_short_sequences_search_no_context_parallelism_unless_nothing_fits() -> 
     """Below 16K tokens cp is searched only when no cp=1 layout fits: on a device just too small
     for every cp=1 layout of a small-hidden model at 8K tokens (activations dominate), the search
     returns cp > 1 layouts."""
-    from lightning_3d.planner.model_shape import ModelShape
+    from lightning_3d.core.model_shape import ModelShape
 
     base = _llama("llama3_8b", 8192, 2, 64)
     assert all(e.layout.cp == 1 for e in Planner(base).search())
@@ -292,7 +292,7 @@ def test_all_to_all_needs_cp_to_divide_the_heads_of_a_tensor_parallel_rank() -> 
 
 
 def test_context_parallel_detail_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_3d.planner.cli import plan_main
+    from lightning_3d.apps.plan_cli import plan_main
 
     code = plan_main(["recipe=llama3_405b_128k", "--layout", "dp=8,tp=8,pp=16,cp=16,v=4,schedule=interleaved,zero=1,sp=true,recompute=full", "--format", "json"])
     (row,) = json.loads(capsys.readouterr().out)
@@ -329,10 +329,10 @@ def test_llama3_405b_table_4(run) -> None:  # type: ignore[no-untyped-def]
 def test_llama3_405b_128k_recipe_is_a_plan_that_fits() -> None:
     """The recipe's layout (as test_recipes checks the other full-size recipes): the strategy
     accepts it on 16,384 ranks and the planner says it fits, with its K/V ring hidden."""
-    from lightning_3d.config import ParallelConfig
+    from lightning_3d.core.compose import compose_config
+    from lightning_3d.core.config import ParallelConfig
     from lightning_3d.planner import problem_from_config
-    from lightning_3d.planner.apply import layout_of, strategy_keywords
-    from lightning_3d.recipe import compose_config
+    from lightning_3d.planner.recipe_layout import layout_of, strategy_keywords
 
     cfg = compose_config(["recipe=llama3_405b_128k"])
     world = cfg.cluster.num_nodes * cfg.cluster.devices_per_node

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lightning_3d.checkpoint.sharded import MANIFEST
-from lightning_3d.preemption import EXIT_CODE
+from lightning_3d.resilience.preemption import EXIT_CODE
 from tests.test_faults import Job
 
 START_S = 90.0  # processes import torch and Lightning on 2 busy cores

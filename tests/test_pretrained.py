@@ -13,15 +13,15 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lightning_3d.checkpoint.safetensors_format import INDEX_NAME
-from lightning_3d.checkpoint.safetensors_read import SafetensorsFile, read_slice
-from lightning_3d.pretrained import (
+from lightning_3d.checkpoint.pretrained import (
     SOURCE_ATTR,
     from_pretrained,
     load_pretrained_,
     local_slice_index,
     meta_parameters,
 )
+from lightning_3d.checkpoint.safetensors_format import INDEX_NAME
+from lightning_3d.checkpoint.safetensors_read import SafetensorsFile, read_slice
 from lightning_3d.tensor_parallel.spec import TPSpec, padded, shard_tensor
 
 
@@ -360,12 +360,12 @@ def tp2_pp2_load_memory(path: str) -> dict[str, Any]:
     from safetensors import safe_open
 
     from lightning_3d.checkpoint.safetensors_format import weight_files
+    from lightning_3d.core.topology import ParallelDims, Topology
     from lightning_3d.models.adapters.hf_generic import HF_GENERIC
     from lightning_3d.pipeline.runtime import PipelineConfig, pipeline_model
     from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan
     from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
     from lightning_3d.tensor_parallel.spec import get_spec, shard_like
-    from lightning_3d.topology import ParallelDims, Topology
 
     topology = Topology.build(ParallelDims(dp=1, tp=2, pp=2).resolve(4))
     tracker = RNGStatesTracker("cpu")
@@ -395,7 +395,7 @@ def tp2_pp2_load_memory(path: str) -> dict[str, Any]:
 
 
 def test_tp2_pp2_load_reads_only_each_ranks_quarter(tmp_path: Path) -> None:
-    from lightning_3d.testing import run_on_ranks
+    from lightning_3d.testing.harness import run_on_ranks
 
     m_bytes = write_big_checkpoint(tmp_path)
     assert 180e6 < m_bytes < 220e6
@@ -482,14 +482,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def parity2(checkpoints: Path) -> list[dict[str, Any]]:
-    from lightning_3d.testing import run_on_ranks
+    from lightning_3d.testing.harness import run_on_ranks
 
     return run_on_ranks(parity_world, 2, str(checkpoints), PARITY_CASES_2, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def parity4(checkpoints: Path) -> list[dict[str, Any]]:
-    from lightning_3d.testing import run_on_ranks
+    from lightning_3d.testing.harness import run_on_ranks
 
     return run_on_ranks(parity_world, 4, str(checkpoints), PARITY_CASES_4, timeout=240)
 
@@ -516,9 +516,10 @@ def test_first_loss_equals_transformers_4_ranks(parity4: list[dict[str, Any]], c
 
 # -- recipes and the CLI: model.init_from ------------------------------------------------------------------
 def test_recipe_init_from_builds_the_hf_module(tmp_path: Path) -> None:
+    from lightning_3d.apps.recipe import build_model
+    from lightning_3d.core.compose import compose_config
     from lightning_3d.models import GPTModule
     from lightning_3d.models.hf_module import HFCausalLMModule
-    from lightning_3d.recipe import build_model, compose_config
 
     path = save_tiny(tmp_path / "llama", "llama")
     module = build_model(compose_config([f"model.init_from={path}", "optim.lr=1e-4"]))
@@ -534,7 +535,7 @@ def test_recipe_init_from_builds_the_hf_module(tmp_path: Path) -> None:
 
 
 def test_cli_picks_the_hf_module_for_init_from(tmp_path: Path) -> None:
-    from lightning_3d.cli import _init_from_given
+    from lightning_3d.apps.cli import _init_from_given
 
     assert _init_from_given(["fit", "--model.init_from=/x"]) and _init_from_given(["fit", "--model.init_from", "/x"])
     assert not _init_from_given(["fit", "--model.lr=1e-3"])

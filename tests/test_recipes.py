@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.config import ParallelConfig
+from lightning_3d.core.compose import CONF_DIR, compose_config
+from lightning_3d.core.config import ParallelConfig
 from lightning_3d.planner import Planner, problem_from_config
-from lightning_3d.planner.apply import layout_of, strategy_keywords
-from lightning_3d.recipe import CONF_DIR, compose_config
+from lightning_3d.planner.recipe_layout import layout_of, strategy_keywords
 from tests.test_launchers import _run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,8 +22,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.replica_guard import ReplicaGuard, auto_every, parse_every
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.core.config import parse_replica_check_every as parse_every
+from lightning_3d.plugins.replica_guard import ReplicaGuard, auto_every
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 
 transformers = pytest.importorskip("transformers")

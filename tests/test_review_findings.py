@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_3d.pipeline.runtime import PipelineConfig, pipeline_model
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.test_pipeline import WideToy
 
 
@@ -59,7 +59,7 @@ def _alias_steps(model: torch.nn.Module) -> list[dict[str, np.ndarray]]:
 
 
 def _alias_world(cases: list[tuple[str, bool]]) -> list[list[dict[str, np.ndarray]]]:
-    from lightning_3d.topology import ParallelDims, Topology
+    from lightning_3d.core.topology import ParallelDims, Topology
 
     topology = Topology.build(ParallelDims(dp=1, tp=1, pp=2))
     out = []

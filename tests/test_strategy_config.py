@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from datetime import timedelta
 
@@ -11,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_3d
 from lightning_3d import ParallelConfig, ThreeDParallelStrategy
+from lightning_3d.core.config import KEYWORDS
 
 STRATEGY_KEYWORDS = [
     "data_parallel",
@@ -40,7 +42,17 @@ def test_registered_as_3d():
 def test_constructor_has_every_documented_keyword():
     params = inspect.signature(ThreeDParallelStrategy).parameters
     assert all(k in params for k in STRATEGY_KEYWORDS)
-    assert set(STRATEGY_KEYWORDS) <= set(inspect.signature(ParallelConfig).parameters)
+    # every keyword but Lightning's own plugins goes to ParallelConfig whole, through its one mapping
+    lightning = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    assert set(params) - lightning == set(KEYWORDS)
+    config = ThreeDParallelStrategy(tensor_parallel=2, pipeline_schedule="zbv", bucket_size_mb=1, keep_last_k=2).config
+    assert (config.layout.tensor_parallel, config.pipeline.schedule, config.pipeline.virtual_stages) == (2, "zb_v", 2)
+    assert (config.sharding.bucket_bytes, config.checkpoint.keep_last_k) == (2**20, 2)
+    assert ParallelConfig(**config.keywords()) == config and config.replace(zero_stage=1).sharding.zero_stage == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.layout.tensor_parallel = 4  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unknown keyword"):
+        ParallelConfig(tensor_paralel=2)
 
 
 @pytest.mark.parametrize(
@@ -95,13 +107,13 @@ def test_auto_data_parallel_resolves_at_trainer_construction():
 def test_sequence_parallel_without_tensor_parallel_is_a_warning_not_an_error():
     with pytest.warns(UserWarning, match="sequence_parallel=True has no effect with tensor_parallel=1"):
         config = ParallelConfig(sequence_parallel=True)
-    assert config.sequence_parallel is False
+    assert config.layout.sequence_parallel is False
 
 
 def test_normalized_values():
     config = ParallelConfig(activation_checkpointing=None, offload_optimizer=False, timeout=timedelta(minutes=2))
-    assert config.activation_checkpointing == "none"
-    assert config.offload_optimizer == "none"
-    assert config.timeout == timedelta(seconds=120)
-    assert ParallelConfig(pipeline_schedule="Interleaved").pipeline_schedule == "interleaved_1f1b"
+    assert config.recompute.mode == "none"
+    assert config.sharding.offload_optimizer == "none"
+    assert config.runtime.timeout == timedelta(seconds=120)
+    assert ParallelConfig(pipeline_schedule="Interleaved").pipeline.schedule == "interleaved_1f1b"
     assert ParallelConfig(timeout=90).to_dict()["timeout"] == 90.0

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_3d import strict_comm as sc
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing import strict_comm as sc
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import result_of, run_checks
 
 
@@ -216,8 +216,8 @@ def test_rendezvous_turns_an_ordering_deadlock_into_an_error() -> None:
 def _zero3_offload_norm() -> dict[str, Any]:
     from torch import nn
 
-    from lightning_3d.precision import _local, global_grad_norm
-    from lightning_3d.topology import ParallelDims, Topology
+    from lightning_3d.core.topology import ParallelDims, Topology
+    from lightning_3d.plugins.precision import _local, global_grad_norm
     from lightning_3d.zero.fsdp import apply_zero3
 
     topology = Topology.build(ParallelDims(dp=2), device_type="cpu")

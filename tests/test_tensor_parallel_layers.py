@@ -17,7 +17,7 @@ from lightning_3d.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_3d.tensor_parallel.spec import gather_full, get_spec
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import result_of, run_checks
 
 B, T, IN, OUT = 2, 8, 12, 16

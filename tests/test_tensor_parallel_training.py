@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.checkpoint.consolidated import full_state_dict
+from lightning_3d.checkpoint.dense_state import full_state_dict
 from lightning_3d.models import GPT, GPTConfig
-from lightning_3d.tensor_parallel import PlanContext, RNGStatesTracker, TensorParallelPlan, apply_plan
 from lightning_3d.models.adapters.gpt import gpt_plan
+from lightning_3d.tensor_parallel import PlanContext, RNGStatesTracker, TensorParallelPlan, apply_plan
 from lightning_3d.tensor_parallel.random import seed_tracker
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import STEPS, TINY_GPT, LossRecorder, gpt_losses, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_data_parallel import CountingModule
 

@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_3d.callbacks import GlobalSummary, TokenThroughput, model_flops_per_token
+from lightning_3d.apps.recipe import build_model
+from lightning_3d.core.compose import compose_config
 from lightning_3d.models.gpt import GPT, GPTConfig
+from lightning_3d.monitoring.callbacks import GlobalSummary, TokenThroughput, model_flops_per_token
 from lightning_3d.planner import problem_from_config
-from lightning_3d.recipe import build_model, compose_config
-from lightning_3d.strategy import ThreeDParallelStrategy
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.plugins.strategy import ThreeDParallelStrategy
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import TINY_GPT, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 
 GLOBAL_BATCH = 4

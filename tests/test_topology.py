@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_3d.topology import Coordinates, ParallelDims
+from lightning_3d.core.topology import Coordinates, ParallelDims
 
 
 @pytest.mark.parametrize(

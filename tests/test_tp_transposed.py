@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.checkpoint.consolidate import consolidate
-from lightning_3d.testing import run_on_ranks
 from lightning_3d.tensor_parallel.spec import TPSpec, assemble_dense, shard_tensor, spec_record
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, tiny_data
 from tests.test_tensor_parallel_training import HFCausalLM
 

@@ -19,7 +19,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 
 CELLS = {"zero3-fp32": (3, "32-true"), "zero3-bf16": (3, "bf16-mixed"), "zero1-fp32": (1, "32-true")}

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_3d.activation_checkpointing import checkpoint_forward
 from lightning_3d.pipeline.weight_gradients import DeferredWeightGradients
+from lightning_3d.transforms.activation_checkpointing import checkpoint_forward
 
 
 class Conv1D(nn.Module):

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.models import GPT, GPTConfig, GPTModule
-from lightning_3d.precision import ThreeDPrecision
-from lightning_3d.testing import run_on_ranks
+from lightning_3d.plugins.precision import ThreeDPrecision
+from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import TINY_GPT, LossRecorder, param_checksum, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_data_parallel import TinyGAN
 

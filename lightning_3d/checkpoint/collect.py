@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_3d.checkpoint.sharded import RankShard
+from lightning_3d.core.topology import Topology
 from lightning_3d.tensor_parallel.spec import get_spec, spec_record
-from lightning_3d.topology import Topology
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer, _Bucket
 
 

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_3d.checkpoint.compatibility import check_compatible
-from lightning_3d.checkpoint.consolidated import (
+from lightning_3d.checkpoint.dense_state import (
     _sharded_spec,
     full_optimizer_state,
     full_state_dict,
@@ -41,10 +41,11 @@ from lightning_3d.checkpoint.consolidated import (
     parameter_names,
     shard_state_dict,
 )
-from lightning_3d.checkpoint.manager import ShardedCheckpointer, check_keep_last_k
+from lightning_3d.checkpoint.manager import ShardedCheckpointer
 from lightning_3d.checkpoint.sharded import CheckpointError
+from lightning_3d.core.config import CheckpointOptions
+from lightning_3d.core.topology import Topology
 from lightning_3d.tensor_parallel.spec import shard_like
-from lightning_3d.topology import Topology
 from lightning_3d.zero.coordinator import ZeroCoordinator
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 
@@ -102,7 +103,6 @@ class CheckpointFormat:
     name: ClassVar[str]
 
     def __init__(self, async_save: bool = False, keep_last_k: Optional[int] = None) -> None:
-        check_keep_last_k(keep_last_k)
         self.async_save, self.keep_last_k = async_save, keep_last_k
         self._checkpointer: Optional[ShardedCheckpointer] = None
 
@@ -310,8 +310,8 @@ class ConsolidatedFormat(CheckpointFormat):
 
 
 def checkpoint_format(name: str, async_save: bool = False, keep_last_k: Optional[int] = None) -> CheckpointFormat:
-    """The format for ``ThreeDParallelStrategy(checkpoint_format=name)``."""
+    """The format for ``ThreeDParallelStrategy(checkpoint_format=name)`` (the options validated by
+    :class:`~lightning_3d.core.config.CheckpointOptions`, as the strategy's are)."""
+    options = CheckpointOptions(name, async_save, keep_last_k)
     formats: dict[str, type[CheckpointFormat]] = {"sharded": ShardedFormat, "consolidated": ConsolidatedFormat}
-    if name not in formats:
-        raise ValueError(f"checkpoint_format={name!r}: use 'sharded' or 'consolidated'.")
-    return formats[name](async_save, keep_last_k)
+    return formats[options.format](options.async_save, options.keep_last_k)

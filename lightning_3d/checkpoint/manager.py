@@ -21,8 +21,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_3d.checkpoint.compatibility import model_record
 from lightning_3d.checkpoint.collect import collect_model, collect_optimizer, merge_param_groups, named_param_groups, rng_tensors
+from lightning_3d.checkpoint.compatibility import model_record
 from lightning_3d.checkpoint.sharded import (
     CheckpointError,
     copy_with_tensors,
@@ -39,13 +39,8 @@ from lightning_3d.checkpoint.sharded import (
     temporary_dir,
     write_rank_shard,
 )
-from lightning_3d.topology import Topology
-
-
-def check_keep_last_k(keep_last_k: Any) -> None:
-    """``None`` (keep every checkpoint) or a positive integer; checked where the strategy is built."""
-    if keep_last_k is not None and (isinstance(keep_last_k, bool) or not isinstance(keep_last_k, int) or keep_last_k < 1):
-        raise ValueError(f"keep_last_k={keep_last_k!r} must be at least 1 (or None to keep every checkpoint).")
+from lightning_3d.core.config import check_keep_last_k
+from lightning_3d.core.topology import Topology
 
 
 def own_meta(shard: RankShard, checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -201,7 +201,7 @@ def build_manifest(
     model: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     import lightning
-    import lightning_3d
+    from lightning_3d.core import __version__
 
     scalars: dict[str, dict[str, Any]] = defaultdict(dict)
     for w in written:
@@ -215,7 +215,7 @@ def build_manifest(
         "run_id": run_id,
         "layout": layout,
         "model": model,
-        "versions": {"lightning_3d": lightning_3d.__version__, "torch": torch.__version__, "lightning": lightning.__version__},
+        "versions": {"lightning_3d": __version__, "torch": torch.__version__, "lightning": lightning.__version__},
         "created": time.time(),
         "files": files,
         "pieces": [p for w in written for p in w["pieces"]],

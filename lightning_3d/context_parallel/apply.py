@@ -11,7 +11,7 @@ A forward meets three pieces, installed by ``parallelize.apply_context_parallel`
    :class:`ContextParallel`: the true positions of the local tokens (RoPE, learned positions) and
    attention over the whole sequence (ring or all-to-all over the cp group).
 3. Outputs. A training loss stays this rank's mean over its tokens: the loss normalization
-   (:mod:`lightning_3d.loss_normalization`) rescales it over dp x cp by target counts, so the
+   (:mod:`lightning_3d.transforms.loss_normalization`) rescales it over dp x cp by target counts, so the
    average the gradient reduction computes is the batch's token mean. An evaluation loss is
    combined here into the mean over the whole sequences (one all-reduce of sum and count); logits
    are gathered back to the full sequence in natural order (the gather's backward sums each rank's
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from lightning_3d.context_parallel.layout import check_divisible, local_positions, shard_sequence, unshard_sequence
 from lightning_3d.context_parallel.ring import ring_attention
 from lightning_3d.context_parallel.ulysses import all_to_all_attention
-from lightning_3d.layout_rules import CONTEXT_PARALLEL_MODES
+from lightning_3d.core.layout_rules import CONTEXT_PARALLEL_MODES
 from lightning_3d.pipeline.sequences import LayerSequence
 from lightning_3d.tensor_parallel.mappings import gather_along, reduce_scatter_along
 

@@ -9,9 +9,9 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
-from lightning_3d.callbacks import data_parallel_size
 from lightning_3d.data.corpus import DEFAULT_MAX_BYTES, TokenWindows, read_token_file, split_tokens, stdlib_bytes
 from lightning_3d.data.vocab import check_data_vocab, model_vocab_size
+from lightning_3d.monitoring.callbacks import data_parallel_size
 
 
 class ResumableDataLoader(DataLoader):

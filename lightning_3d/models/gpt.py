@@ -395,7 +395,7 @@ class GPTModule(L.LightningModule):
         return adamw_with_warmup_cosine(self, self.hparams)
 
     def configure_callbacks(self) -> list[L.Callback]:
-        from lightning_3d.callbacks import TokenThroughput
+        from lightning_3d.monitoring.callbacks import TokenThroughput
 
         return [TokenThroughput()]
 

@@ -15,8 +15,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.checkpoint.pretrained import from_pretrained
 from lightning_3d.models.gpt import adamw_with_warmup_cosine, check_optimizer_settings
-from lightning_3d.pretrained import from_pretrained
 
 
 class HFCausalLMModule(L.LightningModule):

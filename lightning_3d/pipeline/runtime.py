@@ -26,28 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_3d.collectives import current_compute_device
-from lightning_3d.loss_normalization import data_parallel_factor
+from lightning_3d.core.distributed import current_compute_device
+from lightning_3d.core.topology import Topology
 from lightning_3d.pipeline.partition import Method, describe, partition
-from lightning_3d.pipeline.schedules import (
-    V_SHAPED,
-    Action,
-    Costs,
-    Post,
-    Step,
-    Wait,
-    build_plan,
-    headers_of,
-    message_of,
-    peer_of,
-    piece_of,
-    place,
-)
+from lightning_3d.pipeline.plan import Action, Post, Step, Wait, headers_of, message_of, peer_of, piece_of, place
+from lightning_3d.pipeline.schedules import V_SHAPED, Costs, build_plan
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.pipeline.weight_gradients import DeferredWeightGradients
 from lightning_3d.tensor_parallel.plans import shared_parameters
 from lightning_3d.tensor_parallel.random import PIPELINE_STAGE_RNG, RNGStatesTracker
-from lightning_3d.topology import Topology
+from lightning_3d.transforms.loss_normalization import data_parallel_factor
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # dtype code, ndim, up to 6 dims

@@ -7,14 +7,14 @@ Two models:
   completes when the matching send has happened (sends are asynchronous and take ``comm_time``); a
   rank blocked on a receive whose send can never happen is a deadlock. It gives the bubble.
 * :func:`check_plan` runs a *communication plan* (how the runtime posts its P2P items, see
-  :func:`~lightning_3d.pipeline.schedules.communication_plan`) under NCCL's rules, the "strict"
+  :func:`~lightning_3d.pipeline.plan.communication_plan`) under NCCL's rules, the "strict"
   model of docs/pipeline.md: tags are ignored, the k-th send from a rank to a peer matches the
   peer's k-th receive from it; each rank queues its items (one operation, or one
   ``batch_isend_irecv`` batch) per peer -- or, with ``fifo="rank"``, in one queue for all peers, as
   one NCCL stream does -- and an item starts only at the head of every queue it sits in; a send
   completes once its receive has started, a receive once its send has started, and an item leaves
   its queues when all its operations completed; posting returns at once, ``Wait`` blocks the host.
-  Shape headers go as the runtime sends them (:func:`~lightning_3d.pipeline.schedules.headers_of`).
+  Shape headers go as the runtime sends them (:func:`~lightning_3d.pipeline.plan.headers_of`).
   A plan that cannot finish raises :class:`CommDeadlock` naming the stuck items; one that matches
   the wrong messages, computes on a receive it did not wait for, or leaves an item unwaited raises
   :class:`PlanError`. It also gives timing (a batch's operations take ``comm_time`` from the moment
@@ -28,18 +28,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from lightning_3d.pipeline.schedules import (
-    COMPUTE,
-    Action,
-    Post,
-    Step,
-    Wait,
-    build_schedule,
-    communication_plan,
-    headers_of,
-    is_send,
-    peer_of,
-)
+from lightning_3d.pipeline.plan import COMPUTE, Action, Post, Step, Wait, communication_plan, headers_of, is_send, peer_of
 
 Fifo = Literal["peer", "rank"]
 
@@ -136,10 +125,6 @@ def in_flight_change(kind: str) -> int:
     """A micro-batch's activations live from its F until the backward that releases them: B, or W
     (the weight gradients still read the layers' inputs after I)."""
     return {"F": 1, "B": -1, "W": -1}.get(kind, 0)
-
-
-def simulate_named(name: str, p: int, m: int, v: int = 1, **times: float) -> Simulation:
-    return simulate(build_schedule(name, p, m, v), **times)
 
 
 # -- the strict (NCCL) model ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.planner.hardware import ClusterSpec, DeviceSpec, load_cluster, with_nodes
 from lightning_3d.planner.memory import (
     ActivationOptions,
@@ -22,7 +23,6 @@ from lightning_3d.planner.memory import (
     layer_activation_bytes,
     zero_model_state_bytes,
 )
-from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.planner.search import (
     SOFTWARE,
     Estimate,

@@ -30,10 +30,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_3d.layout_rules import CONTEXT_PARALLEL_MODES
-from lightning_3d.planner.collectives import LINK_EFFICIENCY, Group, NcclVersion, collective_cost
+from lightning_3d.core.layout_rules import CONTEXT_PARALLEL_MODES
+from lightning_3d.planner.collective_cost import LINK_EFFICIENCY, Group, NcclVersion, collective_cost
 
-CP_MODES = CONTEXT_PARALLEL_MODES  # the strategy's (lightning_3d.layout_rules)
+CP_MODES = CONTEXT_PARALLEL_MODES  # the strategy's (lightning_3d.core.layout_rules)
 # Context parallelism pays off where attention's s^2 term dominates or activations do not fit; the
 # search tries cp > 1 from this sequence length on (and for any length when nothing fits at cp=1).
 CP_MIN_SEQUENCE = 16384

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_3d.planner.collectives import NO_COST, CollectiveCost, Group, NcclVersion, collective_cost
+from lightning_3d.planner.collective_cost import NO_COST, CollectiveCost, Group, NcclVersion, collective_cost
 
 
 @dataclass

@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_3d.layout_rules import V_SHAPED
-from lightning_3d.planner.model_shape import ModelShape
+from lightning_3d.core.layout_rules import V_SHAPED
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_stage_in_flight, zero_bubble_pipeline
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from lightning_3d.planner.model_shape import ModelShape
+from lightning_3d.core.model_shape import ModelShape
 
 # Nemotron-4 (NVIDIA 2024): squared-ReLU MLP (two ffn matrices, as GELU's), GQA with 8 kv heads,
 # RoPE, no biases, untied 256k vocabulary. 15B: arXiv:2402.16819, Table 1; 340B: NVIDIA's
@@ -156,7 +156,7 @@ def model_shape(run: PublishedRun) -> ModelShape:
         return run.model
     from omegaconf import OmegaConf
 
-    from lightning_3d.recipe import compose_config
+    from lightning_3d.core.compose import compose_config
 
     config = OmegaConf.to_container(compose_config([f"model={run.model}"]).model)
     return ModelShape.from_config(config, seq_len=run.seq_len)  # type: ignore[arg-type]
@@ -164,9 +164,9 @@ def model_shape(run: PublishedRun) -> ModelShape:
 
 def problem(run: PublishedRun):  # type: ignore[no-untyped-def]
     """The planning problem of a published run (its cluster, node count, software, precision)."""
+    from lightning_3d.core.compose import compose_config
     from lightning_3d.planner.hardware import load_cluster, with_nodes
     from lightning_3d.planner.search import SOFTWARE, Problem
-    from lightning_3d.recipe import compose_config
 
     cluster = with_nodes(load_cluster(compose_config([f"cluster={run.cluster}"]).cluster), run.nodes)
     return Problem(model_shape(run), cluster, run.global_batch, SOFTWARE[run.software], precision=run.precision)

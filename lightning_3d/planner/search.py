@@ -13,7 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Iterator, Optional
 
-from lightning_3d.layout_rules import (
+from lightning_3d.core.layout_rules import SCHEDULES as PIPELINE_SCHEDULES
+from lightning_3d.core.layout_rules import (
     V_SHAPED,
     LayoutRefused,
     Refusal,
@@ -25,7 +26,8 @@ from lightning_3d.layout_rules import (
     tensor_parallel_refusals,
     world_refusals,
 )
-from lightning_3d.planner.collectives import NCCL_VERSIONS, Group, collective_cost
+from lightning_3d.core.model_shape import ModelShape
+from lightning_3d.planner.collective_cost import NCCL_VERSIONS, Group, collective_cost
 from lightning_3d.planner.context_parallel import CP_MIN_SEQUENCE, CP_MODES, ContextParallelCost, layer_cp_cost
 from lightning_3d.planner.data_parallel import DataParallelTime, replicated_params_comm, sharded_params_comm
 from lightning_3d.planner.hardware import ClusterSpec
@@ -37,12 +39,12 @@ from lightning_3d.planner.memory import (
     stage_in_flight,
     zero_model_state_bytes,
 )
-from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.planner.timing import HBM_EFFICIENCY, head_cost, layer_cost, optimizer_seconds, p2p_seconds
 from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_chunk_layers, zero_bubble_pipeline
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1", "zb_v", "dualpipe_v")
+# the strategy's schedules (layout_rules.SCHEDULES), the classic ones searched first
+SCHEDULES = tuple(sorted(PIPELINE_SCHEDULES, key=lambda s: ("1f1b", "interleaved_1f1b", "gpipe").index(s) if s in ("1f1b", "interleaved_1f1b", "gpipe") else 3))
 OFFLOAD = ("none", "cpu", "nvme")
 # Fraction of device memory the caching allocator can hand out before fragmentation bites; a
 # plan that needs more is rejected (PyTorch typically loses 5-10% to fragmentation at peak).
@@ -636,7 +638,7 @@ class Planner:
 
     # -- the search space ---------------------------------------------------------------------
     # Candidates come from the software profile's options; a candidate is proposed only when no rule
-    # refuses it: the strategy's own (lightning_3d.layout_rules, which ParallelConfig raises) and the
+    # refuses it: the strategy's own (lightning_3d.core.layout_rules, which ParallelConfig raises) and the
     # planner's (the batch must split evenly, the profile must offer the option).
     def degree_refusals(self, d: int, t: int, pp: int, cp: int = 1) -> list[Refusal]:
         """Why (dp, tp, pp, cp) cannot train this model on this cluster with this batch."""
@@ -902,7 +904,7 @@ def best_completion(planner: Planner, fixed: dict[str, Any]) -> Estimate:
     """The fastest layout that matches every given field (``dp``/``tp``/``pp`` required);
     unfitting ones too when nothing fits, so a given layout is always reported.
 
-    Raises :class:`~lightning_3d.layout_rules.LayoutRefused` (a ``ValueError``) when no rule-abiding
+    Raises :class:`~lightning_3d.core.layout_rules.LayoutRefused` (a ``ValueError``) when no rule-abiding
     layout matches: with the reasons every candidate shares (the given fields' own), or else how
     many candidates each rule excluded."""
     missing = [key for key in ("dp", "tp", "pp") if key not in fixed]

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_3d.planner.collectives import LINK_EFFICIENCY, Group, NcclVersion, collective_cost
+from lightning_3d.core.model_shape import ModelShape
+from lightning_3d.planner.collective_cost import LINK_EFFICIENCY, Group, NcclVersion, collective_cost
 from lightning_3d.planner.hardware import ClusterSpec
-from lightning_3d.planner.model_shape import ModelShape
 # Fraction of HBM bandwidth element-wise kernels reach.
 HBM_EFFICIENCY = 0.8
 # Element-wise bytes per element per forward (16-bit), counted from the kernels:

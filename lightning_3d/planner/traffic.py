@@ -1,5 +1,5 @@
 """Bytes each process group moves per training step, per rank: the planner's model of what the dry
-run (:mod:`lightning_3d.dry_run`) counts at the collective and point-to-point calls.
+run (:mod:`lightning_3d.apps.dry_run`) counts at the collective and point-to-point calls.
 
 "Bytes moved" is what one rank sends over the wire under NCCL's ring algorithms: an all-reduce of
 ``B`` bytes over ``n`` ranks ``2 (n - 1) / n B``, an all-gather (``B`` the gathered output) or a
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_3d.planner.model_shape import ModelShape
+from lightning_3d.core.model_shape import ModelShape
 
 
 def ring(op: str, nbytes: float, n: int) -> float:

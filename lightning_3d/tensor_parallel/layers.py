@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_3d.core.topology import current_topology
 from lightning_3d.tensor_parallel.mappings import (
     SEQUENCE_DIM,
     SEQUENCE_SHARD_ATTR,
@@ -36,7 +37,6 @@ from lightning_3d.tensor_parallel.mappings import (
     scatter_to_tensor_parallel,
 )
 from lightning_3d.tensor_parallel.spec import TPSpec, mark_sequence_parallel, padded, replicated_spec, set_spec, shard_tensor
-from lightning_3d.topology import current_topology
 
 
 def resolve_tp_group(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

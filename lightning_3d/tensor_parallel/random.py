@@ -178,6 +178,13 @@ def seed_tracker(tracker: RNGStatesTracker, tp_rank: int, pp_rank: int = 0, base
     tracker.add(PIPELINE_STAGE_RNG, pipeline_stage_seed(base, pp_rank))
 
 
+def seeded_tracker(device_type: str, tp_rank: int, pp_rank: int, base_seed: int) -> RNGStatesTracker:
+    """A tracker for one rank, seeded from ``base_seed`` (the strategy's agreed seed; the dry run's recipe seed)."""
+    tracker = RNGStatesTracker(device_type)
+    seed_tracker(tracker, tp_rank, pp_rank, base_seed)
+    return tracker
+
+
 def agree_on_random_state(topology: Any, device: torch.device) -> int:
     """Give every rank of a model replica (its tp, cp and pp peers) the generator state and seed of the
     replica's first rank, and return that seed. Peers must load the same batch (a sampler drawing

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+from lightning_3d.core.config import DEFAULT_BUCKET_MB
+
+DEFAULT_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)
 
 B = TypeVar("B")
 

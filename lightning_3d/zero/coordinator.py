@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_3d.topology import Topology
+from lightning_3d.core.topology import Topology
 from lightning_3d.zero.fsdp import apply_zero3, materialize_meta, restore_specs
 from lightning_3d.zero.grad_reducer import GradientReducer
 from lightning_3d.zero.optimizer_kinds import check_optimizer_layout

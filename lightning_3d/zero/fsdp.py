@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_3d.strict_comm import mark_host
 from lightning_3d.tensor_parallel.spec import PARTIAL_ATTR, get_spec, set_spec
+from lightning_3d.testing.strict_comm import mark_host
 
 
 def fsdp_units(root: nn.Module) -> list[nn.Module]:
@@ -130,7 +130,7 @@ def materialize_meta(
     whatever ``torch.empty`` left there.
 
     ``initialize`` fills some modules itself and returns them (a pretrained model reads its shards
-    from its files: :func:`lightning_3d.pretrained.load_pretrained_`); ``reset_parameters`` then runs
+    from its files: :func:`lightning_3d.checkpoint.pretrained.load_pretrained_`); ``reset_parameters`` then runs
     only outside them and their ancestors (whose model-level init would overwrite them). Parameters
     and buffers that were not on the meta device (a head built for real next to a pretrained
     backbone, the rotary ``inv_freq``) keep their values: ``to_empty`` would have dropped them.

@@ -19,7 +19,6 @@ import os
 import queue
 import shutil
 import socket
-import tempfile
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
+
+from lightning_3d.core.config import nvme_directory_problem
 
 _STORES = itertools.count()
 NVME_CHUNK = 1 << 20  # elements per streamed chunk (4 MiB per fp32 tensor)
@@ -57,30 +58,6 @@ def fused_adam_like(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optim
 class _Region:
     offset: int  # bytes into the file
     numel: int
-
-
-def nvme_directory_problem(directory: str) -> Optional[str]:
-    """Why ``directory`` cannot hold NVMe offload files -- missing, not a directory, not writable by
-    this user -- or None. Writability is tested by creating (and removing) a file there, so read-only
-    mounts and ACLs are caught too, not only the permission bits."""
-    root = Path(directory)
-    if not root.exists():
-        return (
-            f"nvme_path={directory!r} does not exist; create it on a fast local disk (an NVMe drive), e.g. "
-            f"`mkdir -p {directory}`, or fix the path."
-        )
-    if not root.is_dir():
-        return f"nvme_path={directory!r} does not exist as a directory (it is a file); point nvme_path at a directory."
-    fix = "fix its permissions (chmod/chown) or choose a directory on a local disk this user can write"
-    if not os.access(root, os.W_OK | os.X_OK):
-        return f"nvme_path={directory!r} is not writable by this user (uid {os.getuid()}); {fix}."
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".lightning_3d_write_test_", dir=root)
-    except OSError as err:
-        return f"nvme_path={directory!r} is not writable: creating a file there failed ({err.strerror}); {fix}."
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 _LIVE_STORES: "weakref.WeakSet[NVMeStateStore]" = weakref.WeakSet()

@@ -48,10 +48,10 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
-from lightning_3d.collectives import current_compute_device
-from lightning_3d.strict_comm import mark_host
+from lightning_3d.core.distributed import current_compute_device
 from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
+from lightning_3d.testing.strict_comm import mark_host
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, unique_trainable
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
 from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
@@ -384,7 +384,7 @@ class ZeroOptimizer:
         votes = torch.tensor(flags, device=device)
         if self.dp_size > 1:
             dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.dp_group)
-        if votes.is_meta:  # a dry run (lightning_3d.dry_run) has no values: every parameter counts as used
+        if votes.is_meta:  # a dry run (lightning_3d.apps.dry_run) has no values: every parameter counts as used
             return [[True] * len(b.params) for b in self.buckets]
         values = iter(votes.bool().tolist())
         return [[next(values) for _ in b.params] for b in self.buckets]

@@ -26,9 +26,9 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning_3d.checkpoint.manager as manager
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.preemption import EXIT_CODE, TrainingInterrupted
+import lightning_3d.checkpoint.manager as manager
+from lightning_3d.resilience.preemption import EXIT_CODE, TrainingInterrupted
 from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
 
 out, mode = Path(sys.argv[1]), sys.argv[2]

@@ -157,7 +157,7 @@ def _config_only() -> None:
 def _plan_check(kind: str, **layout: Any) -> None:
     import transformers
 
-    from lightning_3d.config import ParallelConfig
+    from lightning_3d.core.config import ParallelConfig
     from lightning_3d.models.adapters import adapter_for, models_in
     from tests.hf_families import hf_family_config
 

@@ -6,7 +6,7 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_3d.topology import ParallelDims, Topology
+from lightning_3d.core.topology import ParallelDims, Topology
 from tests.helpers import gpt_losses, quiet_trainer  # noqa: F401
 
 if __name__ == "__main__":

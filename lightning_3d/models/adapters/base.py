@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from lightning_3d.activation_checkpointing import attention_of
-from lightning_3d.layout_rules import ModelDims, raise_refusals, tensor_parallel_refusals
+from lightning_3d.core.layout_rules import ModelDims, raise_refusals, tensor_parallel_refusals
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.pipeline.sequences import LayerSequence
-from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.plans import TensorParallelPlan
+from lightning_3d.transforms.activation_checkpointing import attention_of
 
 if TYPE_CHECKING:
     from lightning_3d.context_parallel.apply import ContextParallel

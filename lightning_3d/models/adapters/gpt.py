@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_3d.layout_rules import ModelDims
+from lightning_3d.core.layout_rules import ModelDims
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
 from lightning_3d.models.adapters.registry import register_adapter
 from lightning_3d.models.gpt import (
@@ -22,7 +23,6 @@ from lightning_3d.models.gpt import (
     sequence_positions,
 )
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
-from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_3d.tensor_parallel.plans import PlanContext, StyleSpec, TensorParallelPlan, gather_logits_hook
 

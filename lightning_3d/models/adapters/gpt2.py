@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_3d.layout_rules import ModelDims
+from lightning_3d.core.layout_rules import ModelDims
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.models.adapters.hf_common import HFAdapter, _hf_mask, _hf_positions, hf_layer_sequence
 from lightning_3d.models.adapters.hf_plans import vocab_parallel_loss
 from lightning_3d.models.adapters.hf_sequence import first_output
 from lightning_3d.models.adapters.registry import register_adapter
 from lightning_3d.pipeline.sequences import Inputs, LayerSequence
-from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.plans import Column, DivideAttributes, TensorParallelPlan
 
 

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_3d.layout_rules import ModelDims
+from lightning_3d.core.layout_rules import ModelDims
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
 from lightning_3d.models.adapters.hf_context_parallel import before_split, wire_context_parallel
 from lightning_3d.models.adapters.hf_sequence import _with_loss, first_output, hf_inputs, hf_loss_inputs, hf_output, hf_target_count
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
-from lightning_3d.planner.model_shape import ModelShape
 
 if TYPE_CHECKING:
     from lightning_3d.context_parallel.apply import ContextParallel

@@ -22,13 +22,13 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_3d.layout_rules import ModelDims
+from lightning_3d.core.layout_rules import ModelDims
+from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.models.adapters.hf_common import HFAdapter, config_dims, config_shape
 from lightning_3d.models.adapters.hf_plans import hf_finalize, translate_tp_plan
 from lightning_3d.models.adapters.hf_sequence import HFSequence, hf_pipeline_sequence, pipeline_plan
 from lightning_3d.models.adapters.registry import register_adapter
 from lightning_3d.pipeline.sequences import LayerSequence
-from lightning_3d.planner.model_shape import ModelShape
 from lightning_3d.tensor_parallel.plans import StyleSpec, TensorParallelPlan
 
 

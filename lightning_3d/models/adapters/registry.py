@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_3d.layout_rules import ModelDims
+from lightning_3d.core.layout_rules import ModelDims
 from lightning_3d.models.adapters.base import ModelAdapter
 from lightning_3d.pipeline.sequences import LayerSequence
 

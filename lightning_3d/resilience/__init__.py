@@ -1,0 +1,1 @@
+"""Never hang, never outlive the job: the fault monitor, the launch guard and SIGTERM handling."""
