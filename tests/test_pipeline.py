@@ -21,7 +21,7 @@ from lightning_3d.data import TokenWindows, stdlib_bytes
 from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.pipeline.partition import partition
 from lightning_3d.pipeline.plan import Action, Post, Wait, communication_plan, is_compute
-from lightning_3d.pipeline.runtime import PipelineConfig, default_micro_batches, pipeline_model
+from lightning_3d.pipeline.runtime import PipelineConfig, default_micro_batches, pipeline_model, pipeline_runtime_of
 from lightning_3d.pipeline.schedules import build_plan, build_schedule, theoretical_bubble
 from lightning_3d.pipeline.schedules import simulate_named
 from lightning_3d.pipeline.sequences import HeadOutput, LayerSequence
@@ -414,11 +414,11 @@ def host_reads_world(schedules: list[tuple[str, int]]) -> dict[str, list[str]]:
         g = torch.Generator().manual_seed(topology.dp_rank)
         x, y = torch.randn(8, 16, 64, generator=g), torch.randn(8, 16, 64, generator=g)
         model(x, y).backward()  # the first step describes activation shapes to the next stage (read once)
-        first = model.pipeline_runtime.last_step.new_buffers
+        first = pipeline_runtime_of(model).last_step.new_buffers
         log: list[str] = []
         with host_reads_logged(log):
             model(x, y).backward()
-        out[f"{name}_v{v}"] = {"reads": log, "buffers": (first, model.pipeline_runtime.last_step.new_buffers)}
+        out[f"{name}_v{v}"] = {"reads": log, "buffers": (first, pipeline_runtime_of(model).last_step.new_buffers)}
     return out
 
 

@@ -22,7 +22,7 @@ from lightning_3d.checkpoint.pretrained import (
 )
 from lightning_3d.checkpoint.safetensors_format import INDEX_NAME
 from lightning_3d.checkpoint.safetensors_read import SafetensorsFile, read_slice
-from lightning_3d.tensor_parallel.spec import TPSpec, padded, shard_tensor
+from lightning_3d.tensor_parallel.spec import TPSpec, padded, set_spec, shard_tensor
 
 
 # -- slice math ------------------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def test_load_checks_the_local_shape(tmp_path: Path) -> None:
     path = save_tiny(tmp_path, "llama")
     model = from_pretrained(path)
     weight = model.model.layers[0].mlp.down_proj.weight
-    weight.tp_spec = TPSpec(dim=1, world=2, rank=0, full_shape=tuple(weight.shape))  # claims a half it does not hold
+    set_spec(weight, TPSpec(dim=1, world=2, rank=0, full_shape=tuple(weight.shape)))  # claims a half it does not hold
     with pytest.raises(ValueError, match=r"down_proj\.weight: this rank's slice of .* has shape \[32, 32\], but the parameter holds \[32, 64\]"):
         load_pretrained_(model)
 

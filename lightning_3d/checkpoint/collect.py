@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_3d.checkpoint.sharded import RankShard
+from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.core.topology import Topology
 from lightning_3d.tensor_parallel.spec import get_spec, spec_record
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer, _Bucket
@@ -55,7 +56,7 @@ def collect_model(shard: RankShard, module: nn.Module, optimizers: list[Any], to
     state = module.state_dict(keep_vars=True)
     seen: set[int] = set()
     for name, value in state.items():
-        if not isinstance(value, Tensor) or id(value) in seen or getattr(value, "pipeline_duplicate", False):
+        if not isinstance(value, Tensor) or id(value) in seen or is_pipeline_duplicate(value):
             continue
         seen.add(id(value))
         tp = spec_record(get_spec(value), tuple(value.shape))
@@ -98,7 +99,7 @@ def collect_optimizer(shard: RankShard, index: int, optimizer: Any, names: dict[
                 continue
             for segment, state in optimizer.segment_states(slot, bucket):
                 p = bucket.params[segment.index]
-                if getattr(p, "pipeline_duplicate", False):
+                if is_pipeline_duplicate(p):
                     continue
                 name = names[id(p)][0]
                 tp = spec_record(get_spec(p), tuple(p.shape))
@@ -111,7 +112,7 @@ def collect_optimizer(shard: RankShard, index: int, optimizer: Any, names: dict[
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p, {})
-                if not state or getattr(p, "pipeline_duplicate", False):
+                if not state or is_pipeline_duplicate(p):
                     continue
                 name = names[id(p)][0]
                 tp = spec_record(get_spec(p), tuple(p.shape))
@@ -132,7 +133,7 @@ def named_param_groups(optimizer: Any, names: dict[int, list[str]]) -> list[dict
     groups = []
     for group in optimizer.param_groups:
         entry = {k: _plain(v) for k, v in group.items() if k != "params"}
-        entry["params"] = [names[id(p)][0] for p in group["params"] if not getattr(p, "pipeline_duplicate", False)]
+        entry["params"] = [names[id(p)][0] for p in group["params"] if not is_pipeline_duplicate(p)]
         groups.append(entry)
     return groups
 

@@ -2,7 +2,7 @@
 
 Checkpoints hold the *dense* tensors, so they load at any tensor-parallel degree or ZeRO stage
 and into a plain model without the strategy: saving gathers every sharded parameter (FSDP2
-DTensors over dp, then ``tp_spec`` slices over tp) and its optimizer state; loading re-splits.
+DTensors over dp, then tensor-parallel slices over tp) and its optimizer state; loading re-splits.
 Gathering costs memory proportional to the full model on every rank; sharded checkpoints that
 never gather are the checkpoint milestone's job. ZeRO 1-2 optimizers produce the same dense
 format themselves (:meth:`ZeroOptimizer.state_dict`).

@@ -10,7 +10,7 @@ its own share of the model, never by the whole of it.
 
 How a rank's local tensor relates to the dense tensor in the file:
 
-* tensor parallel: ``param.tp_spec`` (:class:`~lightning_3d.tensor_parallel.spec.TPSpec`); the local
+* tensor parallel: ``get_spec(param)`` (:class:`~lightning_3d.tensor_parallel.spec.TPSpec`); the local
   tensor is ``shard_tensor(dense.t() if transposed else dense, dim, world, rank, num_blocks,
   padded_size)``, with zero rows for vocabulary padding;
 * pipeline: layers of other stages are stubs without parameters; the remaining parameters keep
@@ -314,7 +314,7 @@ def _expected_dense_shape(p: Tensor, spec: Optional[TPSpec]) -> tuple[int, ...]:
 # -- allocation -------------------------------------------------------------------------------------------
 def _allocate_(p: nn.Parameter, device: torch.device) -> None:
     """Give a meta parameter memory on ``device`` in place: the same Python object (pipeline runtimes,
-    tied modules and optimizers may hold it), its attributes (``tp_spec``) and its gradient hooks
+    tied modules and optimizers may hold it), its attributes (its metadata record) and its gradient hooks
     (sequence-parallel sums) kept."""
     attributes = dict(p.__dict__)
     hooks = p._backward_hooks

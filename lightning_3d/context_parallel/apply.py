@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from lightning_3d.context_parallel.layout import check_divisible, local_positions, shard_sequence, unshard_sequence
 from lightning_3d.context_parallel.ring import ring_attention
 from lightning_3d.context_parallel.ulysses import all_to_all_attention
+from lightning_3d.core.forward_wrappers import unwrap_forward, wrap_forward, wrapper
 from lightning_3d.core.layout_rules import CONTEXT_PARALLEL_MODES
 from lightning_3d.pipeline.sequences import LayerSequence
 from lightning_3d.tensor_parallel.mappings import gather_along, reduce_scatter_along
@@ -134,51 +135,49 @@ def _combined_eval_loss(loss: Tensor, count: int, cp: ContextParallel) -> Tensor
     return (stats[0] / stats[1].clamp(min=1.0)).to(loss.dtype)
 
 
+CONTEXT_PARALLEL = "context_parallel"  # the forward wrapper that splits inputs over cp
+
+
 def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel) -> None:
     """Wrap ``model.forward``: sequence-shaped inputs -> local chunks; outputs as the module docstring
     says. Applied last, over whatever ``forward`` is then (loss normalization, pipeline runtime); a
     wrapper from an earlier set-up must be removed first (:func:`unshard_inputs`)."""
-    if getattr(model, "_context_parallel", None) is not None:
+    if wrapper(model, CONTEXT_PARALLEL) is not None:
         raise RuntimeError("shard_inputs: the model's forward is already split for context parallelism.")
-    original = model.forward
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if sequence.before_split is not None:  # what must be computed on whole sequences (labels' shift, positions)
+                args, kwargs = sequence.before_split(args, dict(kwargs))
+            length = _sequence_length(args, kwargs)
+            if length is None:
+                return original(*args, **kwargs)
+            cp.check_length(length)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if sequence.before_split is not None:  # what must be computed on whole sequences (labels' shift, positions)
-            args, kwargs = sequence.before_split(args, dict(kwargs))
-        length = _sequence_length(args, kwargs)
-        if length is None:
-            return original(*args, **kwargs)
-        cp.check_length(length)
+            def local(value: Any) -> Any:
+                return cp.shard(value) if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == length else value
 
-        def local(value: Any) -> Any:
-            return cp.shard(value) if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == length else value
+            args = tuple(local(a) for a in args)
+            kwargs = {k: local(v) for k, v in kwargs.items()}
+            out = original(*args, **kwargs)
+            loss = sequence.loss_of(out)
+            if loss is not None:
+                if torch.is_grad_enabled():
+                    return out  # training: rescaled over dp x cp by the loss normalization inside
+                count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
+                return sequence.with_loss(out, _combined_eval_loss(loss, count, cp))
+            if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[1] == length // cp.size:
+                return cp.gather(out)
+            logits = getattr(out, "logits", None)  # a Hugging Face output without labels
+            if isinstance(logits, Tensor) and logits.dim() >= 2 and logits.shape[1] == length // cp.size:
+                out.logits = cp.gather(logits)
+            return out
 
-        args = tuple(local(a) for a in args)
-        kwargs = {k: local(v) for k, v in kwargs.items()}
-        out = original(*args, **kwargs)
-        loss = sequence.loss_of(out)
-        if loss is not None:
-            if torch.is_grad_enabled():
-                return out  # training: rescaled over dp x cp by the loss normalization inside
-            count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
-            return sequence.with_loss(out, _combined_eval_loss(loss, count, cp))
-        if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[1] == length // cp.size:
-            return cp.gather(out)
-        logits = getattr(out, "logits", None)  # a Hugging Face output without labels
-        if isinstance(logits, Tensor) and logits.dim() >= 2 and logits.shape[1] == length // cp.size:
-            out.logits = cp.gather(logits)
-        return out
+        return forward
 
-    model.forward = forward  # type: ignore[method-assign]
-    model._context_parallel = cp  # type: ignore[attr-defined]
-    model._context_parallel_inner = original  # type: ignore[attr-defined]
+    wrap_forward(model, CONTEXT_PARALLEL, make, state=cp)
 
 
 def unshard_inputs(model: nn.Module) -> bool:
     """Undo :func:`shard_inputs` on ``model`` (``False`` if it was not split)."""
-    if getattr(model, "_context_parallel", None) is None:
-        return False
-    model.forward = model._context_parallel_inner  # type: ignore[method-assign]
-    del model._context_parallel, model._context_parallel_inner
-    return True
+    return unwrap_forward(model, CONTEXT_PARALLEL)

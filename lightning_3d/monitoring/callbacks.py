@@ -21,7 +21,9 @@ from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary
 
+from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.core.saved_tensors import SavedBytes
+from lightning_3d.tensor_parallel.spec import get_spec
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -247,11 +249,11 @@ class MemoryProbe(L.Callback):
 # -- ModelSummary with global parameter counts -------------------------------------------------------------------------
 def global_numel(param: torch.Tensor) -> int:
     """Elements of ``param``'s dense (whole-model) tensor: a tensor-parallel slice counts its full shape
-    (``tp_spec.full_shape``, vocabulary padding excluded), a DTensor (ZeRO-3) its global shape; the last
+    (its spec's ``full_shape``, vocabulary padding excluded), a DTensor (ZeRO-3) its global shape; the last
     pipeline stage's copy of a weight tied to the first stage's counts 0 (one weight, counted there)."""
-    if getattr(param, "pipeline_duplicate", False):
+    if is_pipeline_duplicate(param):
         return 0
-    spec = getattr(param, "tp_spec", None)
+    spec = get_spec(param)
     if spec is not None:
         return math.prod(spec.full_shape)
     return param.numel()  # a DTensor's numel is the global one

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_3d.core.distributed import current_compute_device
+from lightning_3d.core.forward_wrappers import wrap_forward, wrapper
+from lightning_3d.core.param_meta import meta_of, update_meta
 from lightning_3d.core.topology import Topology
 from lightning_3d.pipeline.partition import Method, describe, partition
 from lightning_3d.pipeline.plan import Action, Post, Step, Wait, headers_of, message_of, peer_of, piece_of, place
@@ -213,7 +215,7 @@ class PipelineRuntime:
                 param = kept[0]
                 self.tied.append(param)
                 if not self.owns_first:
-                    param.pipeline_duplicate = True  # type: ignore[attr-defined]  (counted once, on the first stage)
+                    update_meta(param, pipeline_duplicate=True)  # counted once, on the first stage
 
     def broadcast_tied(self) -> None:
         """The last stage's copy of a tied weight starts as the first stage's: they are one weight."""
@@ -326,7 +328,7 @@ class PipelineRuntime:
 
     @contextmanager
     def _sequence_parallel_sums_deferred(self) -> Any:
-        hooks = [h for h in (getattr(p, "sequence_parallel_hook", None) for p in self.params) if h is not None]
+        hooks = [h for h in (meta_of(p).sequence_parallel_hook for p in self.params) if h is not None]
         for h in hooks:
             h.enabled = False
         try:
@@ -684,12 +686,20 @@ class _Wire:
             self.received[(kind, action.micro, peer_chunk)] = self.outgoing.pop((action.kind, action.micro, action.chunk))
 
 
+PIPELINE = "pipeline"  # the forward wrapper of a pipelined model
+
+
 def pipeline_model(model: nn.Module, sequence: LayerSequence, topology: Topology, config: PipelineConfig, **kwargs: Any) -> PipelineRuntime:
     """Prune ``model`` to this rank's pieces and make its forward run the pipeline (idempotent)."""
-    existing = getattr(model, "pipeline_runtime", None)
+    existing = pipeline_runtime_of(model)
     if existing is not None:
         return existing
     runtime = PipelineRuntime(model, sequence, topology, config, **kwargs)
-    model.forward = runtime  # type: ignore[method-assign]
-    model.pipeline_runtime = runtime  # type: ignore[assignment]
+    wrap_forward(model, PIPELINE, lambda _: runtime, state=runtime)  # the runtime runs the stage's pieces itself
     return runtime
+
+
+def pipeline_runtime_of(model: nn.Module) -> Optional["PipelineRuntime"]:
+    """The runtime that runs ``model``'s forward as this rank's pipeline stage (None: not pipelined)."""
+    found = wrapper(model, PIPELINE)
+    return found.state if found is not None else None

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_3d.checkpoint.formats import JobState
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
-from lightning_3d.pipeline.runtime import PipelineRuntime
+from lightning_3d.pipeline.runtime import PipelineRuntime, pipeline_runtime_of
 from lightning_3d.resilience.launch_guard import note_checkpoint
 
 
@@ -92,7 +92,7 @@ class CheckpointHooks:
         module = self.lightning_module
         out = []
         for name, sub in module.named_modules() if module is not None else []:
-            runtime = getattr(sub, "pipeline_runtime", None)
-            if isinstance(runtime, PipelineRuntime):
+            runtime = pipeline_runtime_of(sub)
+            if runtime is not None:
                 out.append((f"{name}." if name else "", runtime))
         return out

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_3d.core.distributed import current_compute_device
+from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.core.topology import Topology
 from lightning_3d.tensor_parallel.spec import get_spec, sum_partial_gradients
 
@@ -75,7 +76,7 @@ def global_grad_norm(
         spec = get_spec(p)
         if tp_rank != 0 and not (spec is not None and spec.is_sharded):
             continue  # identical on every tp rank: counted by tp rank 0
-        if getattr(p, "pipeline_duplicate", False):
+        if is_pipeline_duplicate(p):
             continue  # a tied weight's copy on the last pipeline stage: counted on the first
         g = _local(p.grad).detach().float()
         value = g.abs().max() if norm_type == float("inf") else g.pow(2).sum()

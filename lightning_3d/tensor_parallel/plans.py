@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.core.forward_wrappers import wrap_forward, wrapper
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lightning_3d.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
@@ -223,30 +224,34 @@ class SharedEntry:
         return gathered
 
 
+SHARED_ENTRY = "tp_shared_entry"  # the forward wrapper of a module whose readers share one entry into tp
+
+
 class ShareEntry(Style):
     names: tuple[str, ...] = ("hidden_states", "x", "input")
 
     def apply(self, module: nn.Module, ctx: PlanContext) -> None:
         scope = SharedEntry(ctx.tp_group, ctx.sequence_parallel)
-        original = module.forward
 
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            for child in module.children():
-                if isinstance(child, ColumnParallelLinear) and not child.input_is_prepared:
-                    child.shared_entry = scope
-            scope.depth += 1
-            try:
-                if scope.sequence_parallel:
-                    args, kwargs = _map_first_input(args, kwargs, scope.gather, self.names)
-                return original(*args, **kwargs)
-            finally:
-                scope.depth -= 1
-                if not scope.depth:
-                    scope.entered.clear()
+        def make(original: Any) -> Any:
+            @functools.wraps(original)
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                for child in module.children():
+                    if isinstance(child, ColumnParallelLinear) and not child.input_is_prepared:
+                        child.shared_entry = scope
+                scope.depth += 1
+                try:
+                    if scope.sequence_parallel:
+                        args, kwargs = _map_first_input(args, kwargs, scope.gather, self.names)
+                    return original(*args, **kwargs)
+                finally:
+                    scope.depth -= 1
+                    if not scope.depth:
+                        scope.entered.clear()
 
-        module.forward = forward  # type: ignore[method-assign]
-        module._tp_shared_entry = scope  # type: ignore[attr-defined]  (what runs inside sees whole sequences)
+            return forward
+
+        wrap_forward(module, SHARED_ENTRY, make, state=scope)  # what runs inside sees whole sequences
 
 
 class SequenceSplitInput(Style):
@@ -273,7 +278,7 @@ def mark_sequence_sharded_replicas(module: nn.Module, group: dist.ProcessGroup) 
 
     def visit(m: nn.Module) -> None:
         nonlocal count
-        if getattr(m, "_tp_shared_entry", None) is not None:
+        if wrapper(m, SHARED_ENTRY) is not None:
             return  # inside: whole sequences, the plan's own marks apply
         for p in m.parameters(recurse=False):
             spec = get_spec(p)

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_3d.core.forward_wrappers import wrap_forward
+
 TENSOR_PARALLEL_RNG = "tensor-parallel"
 PIPELINE_STAGE_RNG = "pipeline-stage"
 _SEED_OFFSET = 2718
@@ -151,25 +153,26 @@ class Reenterable:
         return self._active.pop().__exit__(*exc)
 
 
-def _wrap_forward(module: torch.nn.Module, context: Callable[[], Any]) -> None:
-    original = module.forward
+def _wrap_forward(module: torch.nn.Module, kind: str, context: Callable[[], Any]) -> None:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return original(*args, **kwargs)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with context():
-            return original(*args, **kwargs)
+        return forward
 
-    module.forward = forward  # type: ignore[method-assign]
+    wrap_forward(module, kind, make)
 
 
 def run_forward_in_rng_region(module: torch.nn.Module, tracker: RNGStatesTracker, name: str = TENSOR_PARALLEL_RNG) -> None:
     """Make ``module``'s forward draw its randomness from ``tracker``'s state ``name``."""
-    _wrap_forward(module, lambda: tracker.fork(name))
+    _wrap_forward(module, f"rng_region:{name}", lambda: tracker.fork(name))
 
 
 def run_forward_outside_rng_region(module: torch.nn.Module, tracker: RNGStatesTracker) -> None:
     """Make ``module``'s forward draw from the replicated stream even inside a tensor-parallel region."""
-    _wrap_forward(module, tracker.outside)
+    _wrap_forward(module, "rng_outside", tracker.outside)
 
 
 def seed_tracker(tracker: RNGStatesTracker, tp_rank: int, pp_rank: int = 0, base_seed: Optional[int] = None) -> None:

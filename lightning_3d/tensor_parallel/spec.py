@@ -1,6 +1,7 @@
 """How a tensor-parallel parameter relates to its dense counterpart.
 
-Every parameter of a tensor-parallel model carries a :class:`TPSpec` (``param.tp_spec``):
+Every parameter of a tensor-parallel model carries a :class:`TPSpec` (:func:`get_spec`; kept in the
+parameter's :class:`~lightning_3d.core.param_meta.ParameterMeta`):
 
 * ``dim=None``: replicated, identical on every tp rank (layer norms, row-parallel biases);
   gradient norms count it once. ``sequence_parallel=True`` marks replicated parameters that
@@ -27,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_3d.core.param_meta import meta_of, update_meta
 from lightning_3d.tensor_parallel.mappings import all_reduce, gather_along
 
-SPEC_ATTR = "tp_spec"
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,11 @@ def padded(size: int, world: int) -> int:
 
 
 def get_spec(param: Tensor) -> Optional[TPSpec]:
-    return getattr(param, SPEC_ATTR, None)
+    return meta_of(param).tp_spec
 
 
 def set_spec(param: Tensor, spec: TPSpec) -> None:
-    setattr(param, SPEC_ATTR, spec)
+    update_meta(param, tp_spec=spec)
 
 
 def replicated_spec(param: Tensor, group: dist.ProcessGroup, sequence_parallel: bool = False) -> TPSpec:
@@ -102,13 +103,9 @@ def mark_sequence_parallel(param: Tensor, group: dist.ProcessGroup) -> None:
     spec = get_spec(param)
     if spec is not None and spec.sequence_parallel:
         return
-    set_spec(param, replicated_spec(param, group, sequence_parallel=True))
     hook = SumOverGroup(group)
     param.register_hook(hook)
-    param.sequence_parallel_hook = hook  # type: ignore[attr-defined]
-
-
-PARTIAL_ATTR = "tp_partial_gradient"  # a parameter whose gradient hook a wrapper dropped (ZeRO-3): its tp group
+    update_meta(param, tp_spec=replicated_spec(param, group, sequence_parallel=True), sequence_parallel_hook=hook)
 
 
 def sum_partial_gradients(params: list[Tensor], device: torch.device) -> int:
@@ -119,7 +116,7 @@ def sum_partial_gradients(params: list[Tensor], device: torch.device) -> int:
     in parameter order (every tp peer holds the same parameters). Returns how many were summed."""
     count = 0
     for p in params:
-        group = getattr(p, PARTIAL_ATTR, None)
+        group = meta_of(p).partial_gradient_group
         if group is None or p.grad is None:
             continue
         local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad

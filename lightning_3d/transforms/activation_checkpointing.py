@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_3d.core.forward_wrappers import wrap_forward
 from lightning_3d.pipeline.weight_gradients import checkpoint_contexts
 from lightning_3d.tensor_parallel.random import Reenterable, RNGStatesTracker
 
@@ -41,6 +42,9 @@ def attention_of(block: nn.Module) -> nn.Module:
     raise ValueError(f"selective activation checkpointing found no attention in {type(block).__name__}.")
 
 
+CHECKPOINTED = "activation_checkpointing"  # the forward wrapper that recomputes in backward
+
+
 def check_mode(mode: str, every_n_layers: int) -> None:
     if mode not in MODES:
         raise ValueError(f"activation_checkpointing={mode!r}: choose one of {MODES}.")
@@ -50,26 +54,24 @@ def check_mode(mode: str, every_n_layers: int) -> None:
 
 def checkpoint_forward(module: nn.Module, tracker: Optional[RNGStatesTracker] = None) -> None:
     """Make ``module``'s forward store only its inputs and recompute the rest in backward."""
-    if getattr(module, "_activation_checkpointed", False):
-        return
-    original = module.forward
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def context_fn() -> tuple[Any, Any]:
+            # the recompute sees the tensor-parallel RNG tracker, and a zero-bubble step's deferred linears, as forward did
+            forward, recompute = checkpoint_contexts()
+            if tracker is None:
+                return forward, recompute
+            tracked_forward, tracked_recompute = tracker.checkpoint_context()
+            return Reenterable(lambda: _together(tracked_forward, forward)), Reenterable(lambda: _together(tracked_recompute, recompute))
 
-    def context_fn() -> tuple[Any, Any]:
-        # the recompute sees the tensor-parallel RNG tracker, and a zero-bubble step's deferred linears, as forward did
-        forward, recompute = checkpoint_contexts()
-        if tracker is None:
-            return forward, recompute
-        tracked_forward, tracked_recompute = tracker.checkpoint_context()
-        return Reenterable(lambda: _together(tracked_forward, forward)), Reenterable(lambda: _together(tracked_recompute, recompute))
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return forward
 
-    module.forward = forward  # type: ignore[method-assign]
-    module._activation_checkpointed = True  # type: ignore[attr-defined]
+    wrap_forward(module, CHECKPOINTED, make)
 
 
 @contextmanager

@@ -19,12 +19,13 @@ The count's all-reduce is one scalar per forward; it is a device tensor (NCCL-sa
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.core.forward_wrappers import wrap_forward
 from lightning_3d.pipeline.sequences import LayerSequence
 
 
@@ -44,21 +45,22 @@ def data_parallel_factor(local: int, group: dist.ProcessGroup, device: torch.dev
 
 def normalize_over_data_parallel(model: nn.Module, sequence: LayerSequence, group: dist.ProcessGroup) -> None:
     """Rescale ``model``'s training loss so the replicas' average is the batch's target mean (idempotent)."""
-    if getattr(model, "_data_parallel_token_mean", False) or dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1:
         return
-    original = model.forward
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        loss = sequence.loss_of(out)
-        if loss is None or not (model.training and torch.is_grad_enabled()):
-            return out
-        count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
-        factor = data_parallel_factor(count, group, loss.device).to(loss.dtype)
-        if count == 0:  # this replica's targets are all masked: its mean is 0/0, its share is zero
-            return sequence.with_loss(out, loss.nan_to_num(0.0) * factor)
-        return sequence.with_loss(out, loss * factor)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            loss = sequence.loss_of(out)
+            if loss is None or not (model.training and torch.is_grad_enabled()):
+                return out
+            count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
+            factor = data_parallel_factor(count, group, loss.device).to(loss.dtype)
+            if count == 0:  # this replica's targets are all masked: its mean is 0/0, its share is zero
+                return sequence.with_loss(out, loss.nan_to_num(0.0) * factor)
+            return sequence.with_loss(out, loss * factor)
 
-    model.forward = forward  # type: ignore[method-assign]
-    model._data_parallel_token_mean = True  # type: ignore[attr-defined]
+        return forward
+
+    wrap_forward(model, "loss_normalization", make)

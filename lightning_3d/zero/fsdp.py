@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_3d.tensor_parallel.spec import PARTIAL_ATTR, get_spec, set_spec
+from lightning_3d.core.param_meta import EMPTY, meta_of, set_meta
 from lightning_3d.testing.strict_comm import mark_host
 
 
@@ -50,12 +51,7 @@ def apply_zero3(
             f"zero_stage=3 shards the LightningModule's submodules, but {type(root).__name__} owns parameters "
             f"directly ({names}); move them into a submodule."
         )
-    specs = {name: get_spec(p) for name, p in root.named_parameters(remove_duplicate=False)}
-    # parameters whose gradients a hook sums over tp (SumOverGroup): FSDP2's new parameters lose the hook
-    root._partial_gradient_groups = {  # type: ignore[assignment]
-        name: hook.group for name, p in root.named_parameters(remove_duplicate=False)
-        if (hook := getattr(p, "sequence_parallel_hook", None)) is not None
-    }
+    metas = {name: meta_of(p) for name, p in root.named_parameters(remove_duplicate=False)}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     extra: dict[str, Any] = {}
     if cpu_offload:  # sharded parameters and gradients in host memory; the optimizer step runs there
@@ -66,25 +62,25 @@ def apply_zero3(
         sharded = fully_shard(unit, mesh=dp_mesh, mp_policy=policy, **extra)
         if id(unit) in top_level:
             top.append(sharded)
-    root._tensor_parallel_specs = specs  # type: ignore[assignment]
+    root._parameter_metas = metas  # type: ignore[assignment]
     root._zero3_cpu_offload = cpu_offload  # type: ignore[assignment]
     restore_specs(root)
     return top
 
 
 def restore_specs(root: nn.Module) -> None:
-    """Put the tensor-parallel specs back on FSDP2's parameters. FSDP2 swaps the Parameter objects
+    """Put the parameter records (tensor-parallel specs first) back on FSDP2's parameters. FSDP2 swaps the Parameter objects
     when sharding and again when the module is moved (Lightning's teardown calls ``.cpu()``); a
     parameter without its spec would be saved as if every tp rank held the whole tensor. Under CPU
     offload the new parameters are marked as host memory for strict mode."""
-    specs = getattr(root, "_tensor_parallel_specs", {})
-    partial = getattr(root, "_partial_gradient_groups", {})
+    metas = getattr(root, "_parameter_metas", {})
     offloaded = getattr(root, "_zero3_cpu_offload", False)
     for name, p in root.named_parameters(remove_duplicate=False):
-        if specs.get(name) is not None and get_spec(p) is None:
-            set_spec(p, specs[name])
-        if name in partial and getattr(p, "sequence_parallel_hook", None) is None:
-            setattr(p, PARTIAL_ATTR, partial[name])  # summed over tp before each optimizer step instead
+        meta = metas.get(name, EMPTY)
+        if meta is not EMPTY and meta_of(p) is EMPTY:  # a new Parameter: its record, without the hook it lost
+            hook = meta.sequence_parallel_hook  # (its sum over tp happens before each optimizer step instead)
+            group = hook.group if hook is not None else meta.partial_gradient_group
+            set_meta(p, replace(meta, sequence_parallel_hook=None, partial_gradient_group=group))
         if offloaded:  # strict mode: these shards (and their gradients) are host memory on a GPU machine
             mark_host(p, f"ZeRO-3 CPU offload: the shard of {name} (and its gradient) lives on the host")
 

@@ -49,6 +49,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from lightning_3d.core.distributed import current_compute_device
+from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
 from lightning_3d.testing.strict_comm import mark_host
@@ -322,7 +323,7 @@ class ZeroOptimizer:
         for segment in bucket.segments:
             p = params[segment.index]
             spec = get_spec(p)
-            if getattr(p, "pipeline_duplicate", False):
+            if is_pipeline_duplicate(p):
                 continue  # a tied weight's copy on the last pipeline stage: counted on the first
             if tp_rank == 0 or (spec is not None and spec.is_sharded):
                 bucket.counted.append((segment.offset, segment.offset + segment.numel))

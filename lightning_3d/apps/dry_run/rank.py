@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_3d.apps.dry_run.counting import Traffic, count
 from lightning_3d.core.config import ParallelConfig
+from lightning_3d.core.forward_wrappers import wrapper
 from lightning_3d.core.saved_tensors import SavedBytes, storage_bytes
 from lightning_3d.core.topology import Coordinates, ParallelDims, Topology, use_topology
 from lightning_3d.parallel.setup import ParallelSetup, setup_parallel
@@ -42,6 +43,7 @@ from lightning_3d.pipeline.runtime import PipelineRuntime, _DeferredGradients, _
 from lightning_3d.pipeline.schedules import V_SHAPED, build_schedule
 from lightning_3d.plugins.precision import ThreeDPrecision
 from lightning_3d.tensor_parallel.random import seeded_tracker
+from lightning_3d.transforms.activation_checkpointing import CHECKPOINTED
 from lightning_3d.zero.memory_report import memory_report
 
 META = torch.device("meta")
@@ -360,7 +362,7 @@ def _recompute_bytes(
     """Full recompute: what one block holds while it is re-run in backward -- its forward without the
     checkpoint wrapper, counted like any forward (the block's original forward, kept by the wrapper)."""
     sequence = _sequence(module) if runtime is None else runtime.sequence
-    block = next((b for b in sequence.blocks if getattr(b, "_activation_checkpointed", False)), None)
+    block = next((b for b in sequence.blocks if wrapper(b, CHECKPOINTED) is not None), None)
     if block is None:
         return 0.0
     original = getattr(block.forward, "__wrapped__", None)

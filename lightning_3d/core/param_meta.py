@@ -1,0 +1,46 @@
+"""Everything lightning_3d records about a parameter, in one typed record behind accessors.
+
+A parameter of a parallelized model may carry: its tensor-parallel spec (how it relates to the
+dense tensor), the gradient hook that sums a sequence-parallel replica's gradient over tp, the tp
+group whose partial gradients ZeRO-3 sums instead (FSDP2 dropped the hook), and whether it is a
+pipeline stage's copy of a weight another stage owns (a tied embedding: counted once). The record is
+immutable and replaced on every change, so two parameters that ever share one (a copied ``__dict__``)
+can never change each other. Written during set-up only (``parallelize`` and the transforms it
+applies); read everywhere else through :func:`meta_of`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import Tensor
+
+_ATTR = "lightning_3d_meta"
+
+
+@dataclass(frozen=True)
+class ParameterMeta:
+    tp_spec: Any = None  # a lightning_3d.tensor_parallel.spec.TPSpec; None: not tensor-parallel
+    sequence_parallel_hook: Any = None  # the SumOverGroup gradient hook on it
+    partial_gradient_group: Any = None  # ZeRO-3: the tp group its partial gradient is summed over at the step
+    pipeline_duplicate: bool = False  # a later stage's copy of a tied weight the first stage owns
+
+
+EMPTY = ParameterMeta()
+
+
+def meta_of(param: Tensor) -> ParameterMeta:
+    return getattr(param, _ATTR, EMPTY)
+
+
+def update_meta(param: Tensor, **changes: Any) -> None:
+    setattr(param, _ATTR, replace(meta_of(param), **changes))
+
+
+def set_meta(param: Tensor, meta: ParameterMeta) -> None:
+    setattr(param, _ATTR, meta)
+
+
+def is_pipeline_duplicate(param: Tensor) -> bool:
+    return meta_of(param).pipeline_duplicate
