@@ -27,7 +27,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# The full composition matrix (tests/matrix.py): about an hour on 2 cores; `make test` runs its pairwise sample.
+# The full composition matrix (tests/matrix.py, 4,591 cells): several hours on 2 cores; `make test` runs its pairwise sample.
 test-matrix: $(STAMP)
 	$(PY) -m pytest -q -s tests/full_matrix.py $(ARGS)
 

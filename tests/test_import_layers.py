@@ -134,3 +134,20 @@ def test_the_checker_sees_circles_and_upward_imports():
     assert layer("lightning_3d.apps.cli") > layer("lightning_3d.plugins.strategy") > layer("lightning_3d.core.topology")
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\ndef f():\n    import y\n")
     assert [n.names[0].name for n in runtime_imports(tree) if isinstance(n, ast.Import)] == ["y"]
+
+
+def test_the_strategy_is_wiring_and_the_dry_run_reads_none_of_its_privates():
+    """The strategy module connects Lightning's hooks (under 350 lines, no check of its own: those are
+    core.config's and plugins/checks.py's); the dry run shares its set-up through setup_parallel and
+    touches no private name of it."""
+    source = (PACKAGE / "plugins" / "strategy.py").read_text()
+    assert len(source.splitlines()) < 350
+    refusals = ("ValueError", "TypeError", "NotImplementedError", "LayoutRefused", "PermissionError")
+    raised = [ast.unparse(n.exc) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Raise) and n.exc is not None]
+    assert not [r for r in raised if r.startswith(refusals)], "the strategy validates input itself"
+    for path in (PACKAGE / "apps" / "dry_run").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        assert not any(isinstance(n, ast.ImportFrom) and n.module == "lightning_3d.plugins.strategy" for n in ast.walk(tree))
+        private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                   and isinstance(n.value, ast.Name) and "strategy" in n.value.id]
+        assert not private, f"{path.name} reads the strategy's {private}"

@@ -880,7 +880,7 @@ def test_an_optimizer_with_nothing_on_a_stage_is_explained():
         torch.optim.SGD([], lr=0.1)
 
     stage = SimpleNamespace(
-        setup_optimizers=refuse, config=SimpleNamespace(pipeline_parallel=2), topology=SimpleNamespace(pp_rank=1)
+        setup_optimizers=refuse, config=SimpleNamespace(layout=SimpleNamespace(pipeline_parallel=2)), topology=SimpleNamespace(pp_rank=1)
     )
     with pytest.raises(ValueError, match=r"pipeline rank 1 of 2: .* Pass parameters as groups"):
         ThreeDParallelStrategy._setup_optimizers_on_this_stage(stage, None)  # type: ignore[arg-type]

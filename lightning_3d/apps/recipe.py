@@ -53,10 +53,13 @@ def build_strategy(parallel: DictConfig) -> ThreeDParallelStrategy:
 
 
 def build_config(parallel: DictConfig) -> ParallelConfig:
-    """The strategy's configuration for ``cfg.parallel``, without a strategy (the dry run's)."""
+    """The strategy's configuration for ``cfg.parallel``, without a strategy (the dry run's), refused as
+    the strategy refuses it (what this version does not implement included)."""
     from lightning_3d.planner.recipe_layout import strategy_keywords
 
-    return ParallelConfig(**strategy_keywords(parallel))
+    config = ParallelConfig(**strategy_keywords(parallel))
+    config.require_implemented()
+    return config
 
 
 def build_logger(cfg: DictConfig, out_dir: Path) -> Any:

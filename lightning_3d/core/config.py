@@ -88,6 +88,19 @@ def _to_timedelta(value: Union[float, int, timedelta, None]) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def _user_stacklevel() -> int:
+    """The stack level of the first frame outside lightning_3d (and outside dataclasses' generated
+    ``__init__``): a warning about a keyword then names the user's line, whether they built the
+    strategy or the configuration."""
+    import sys
+
+    package = str(Path(__file__).resolve().parents[1])
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename.startswith("<")):
+        frame, level = frame.f_back, level + 1
+    return level  # counted as rank_zero.warn counts: 1 is the caller (the __post_init__)
+
+
 def parse_replica_check_every(every: Any) -> Union[int, str, None]:
     """``"auto"``, a positive step count, or ``None`` / ``0`` (off); anything else is refused by name."""
     if every is None or every == 0 or every is False:
@@ -121,7 +134,7 @@ class LayoutOptions:
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} is invalid: use True or False.")
         sequence_parallel = self.sequence_parallel
         if sequence_parallel and self.tensor_parallel == 1:
-            rank_zero.warn("sequence_parallel=True has no effect with tensor_parallel=1; disabling it.", stacklevel=5)
+            rank_zero.warn("sequence_parallel=True has no effect with tensor_parallel=1; disabling it.", stacklevel=_user_stacklevel())
             sequence_parallel = False
         _set(self, context_parallel_mode=mode, sequence_parallel=sequence_parallel)
 
@@ -147,6 +160,10 @@ class ShardingOptions:
             offload_optimizer=_choice("offload_optimizer", self.offload_optimizer, OFFLOAD_TARGETS, offload),
             offload_params=_choice("offload_params", self.offload_params, OFFLOAD_TARGETS, offload),
         )
+
+    def check_nvme_path(self) -> None:
+        """The NVMe directory exists and this user can write there (after the layout rules, which say
+        first whether NVMe offload is possible at all)."""
         if "nvme" in (self.offload_optimizer, self.offload_params):
             if not self.nvme_path:
                 raise ValueError("offload to 'nvme' needs nvme_path=<a directory on a fast local disk>.")
@@ -170,11 +187,11 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         schedule = _choice("pipeline_schedule", self.schedule, SCHEDULES, SCHEDULE_ALIASES)
+        # the V's two chunks per rank are what the V-shaped schedules are
+        _set(self, schedule=schedule, virtual_stages=2 if schedule in V_SHAPED and self.virtual_stages == 1 else self.virtual_stages)
         if self.micro_batches is not None:
             _positive_int("micro_batches", self.micro_batches)
         _positive_int("virtual_stages", self.virtual_stages)
-        # the V's two chunks per rank are what the V-shaped schedules are
-        _set(self, schedule=schedule, virtual_stages=2 if schedule in V_SHAPED and self.virtual_stages == 1 else self.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -263,13 +280,15 @@ class ParallelConfig:
         for key, value in keywords.items():
             group, name = KEYWORDS[key]
             grouped[group][name] = value
+        degrees = {f.name: f.default for f in fields(LayoutOptions)} | grouped["layout"]
+        dims = ParallelDims(  # the degrees first: every other rule assumes them valid
+            dp=degrees["data_parallel"], tp=degrees["tensor_parallel"], pp=degrees["pipeline_parallel"], cp=degrees["context_parallel"]
+        )
+        object.__setattr__(self, "dims", dims)
         for name, cls in GROUPS.items():
             object.__setattr__(self, name, cls(**grouped[name]))
-        layout = self.layout
-        object.__setattr__(self, "dims", ParallelDims(
-            dp=layout.data_parallel, tp=layout.tensor_parallel, pp=layout.pipeline_parallel, cp=layout.context_parallel
-        ))
         raise_refusals([r for r in self.refusals() if not r.unsupported])
+        self.sharding.check_nvme_path()
 
     def keywords(self) -> dict[str, Any]:
         """The strategy keywords this configuration was built from (normalised): the inverse of the mapping."""
@@ -279,9 +298,12 @@ class ParallelConfig:
         return ParallelConfig(**{**self.keywords(), **keywords})
 
     def to_dict(self) -> dict[str, Any]:
-        """The keywords as plain values (the timeout in seconds), e.g. for a run summary."""
+        """The keywords as plain values (the timeout in seconds; a plan object as its text), e.g. for a
+        run summary."""
         out = self.keywords()
         out["timeout"] = self.runtime.timeout.total_seconds()
+        plan = out["tensor_parallel_plan"]
+        out["tensor_parallel_plan"] = plan if plan is None or isinstance(plan, dict) else repr(plan)
         return out
 
     def check_world(self, world_size: int, processes_per_node: int) -> ParallelDims:

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_3d.core.config import ParallelConfig
 from lightning_3d.core.topology import Topology
-from lightning_3d.parallel.parallelize import parallelize
+from lightning_3d.parallel.parallelize import Parallelized, parallelize
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 from lightning_3d.zero.coordinator import ZeroCoordinator
@@ -50,14 +50,15 @@ def setup_parallel(
     rng_tracker: RNGStatesTracker,
     training: bool,
     grad_sync_blocker: Callable[[], AbstractContextManager[Any]],
-    build_optimizers: Callable[[nn.Module], list[Optimizer]],
+    build_optimizers: Callable[[Parallelized], list[Optimizer]],
     zero: Optional[ZeroCoordinator] = None,
     master_weights: Optional[dict[int, Tensor]] = None,
 ) -> ParallelSetup:
     """Apply the layout (:func:`~lightning_3d.parallel.parallelize.parallelize`), then, when training,
-    build this stage's optimizers (``build_optimizers(module)``: Lightning's ``configure_optimizers``
-    through the strategy, or the module's own in the dry run), wrap them by ZeRO and hand over master
-    weights a checkpoint loaded before the optimizers existed."""
+    build this stage's optimizers (``build_optimizers(parallelized)``: Lightning's
+    ``configure_optimizers`` through the strategy, which records the parallelized model first, or the
+    module's own in the dry run), wrap them by ZeRO and hand over master weights a checkpoint loaded
+    before the optimizers existed."""
     done = parallelize(
         module, topology, config,
         precision=precision, device=device, rng_tracker=rng_tracker, training=training,
@@ -65,7 +66,7 @@ def setup_parallel(
     )
     optimizers: list[Any] = []
     if training:
-        optimizers = done.zero.wrap_optimizers(done.module, build_optimizers(done.module))
+        optimizers = done.zero.wrap_optimizers(done.module, build_optimizers(done))
         if master_weights:
             done.zero.load_dense_master_weights(master_weights)
     return ParallelSetup(done.module, done.zero, done.pipelines, optimizers)

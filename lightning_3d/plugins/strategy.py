@@ -42,6 +42,7 @@ from lightning_3d.core.config import (
 from lightning_3d.core.distributed import share_cpu_threads
 from lightning_3d.core.topology import Degree, ParallelDims, Topology, use_topology
 from lightning_3d.monitoring.callbacks import use_global_model_summary
+from lightning_3d.parallel.parallelize import Parallelized
 from lightning_3d.parallel.setup import setup_parallel
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.plugins.checkpoint_hooks import CheckpointHooks
@@ -292,8 +293,8 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         precision = self.precision_plugin
         assert isinstance(precision, ThreeDPrecision)
 
-        def build_optimizers(module: nn.Module) -> list[Optimizer]:  # Lightning's configure_optimizers, on this stage
-            self.model = module
+        def build_optimizers(done: Parallelized) -> list[Optimizer]:  # Lightning's configure_optimizers, on this stage
+            self.model, self._zero, self._pipelines = done.module, done.zero, done.pipelines  # kept if it raises
             self._setup_optimizers_on_this_stage(trainer)
             return self.optimizers
 

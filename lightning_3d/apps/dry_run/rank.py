@@ -186,7 +186,8 @@ def set_up(cfg: DictConfig, config: ParallelConfig, topology: Topology) -> Paral
         zero = holder.get("zero")
         return zero.no_sync() if zero is not None else nullcontext()
 
-    def build_optimizers(parallel: nn.Module) -> list[Any]:
+    def build_optimizers(done: Any) -> list[Any]:
+        parallel = done.module
         hp = getattr(parallel, "hparams", None)
         if hp is not None and "decay_steps" in hp and not hp.decay_steps:  # no Trainer to ask for its total steps
             hp.decay_steps = int(cfg.trainer.get("max_steps") or 1)
