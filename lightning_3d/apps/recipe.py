@@ -55,9 +55,9 @@ def build_strategy(parallel: DictConfig) -> ThreeDParallelStrategy:
 def build_config(parallel: DictConfig) -> ParallelConfig:
     """The strategy's configuration for ``cfg.parallel``, without a strategy (the dry run's), refused as
     the strategy refuses it (what this version does not implement included)."""
-    from lightning_3d.planner.recipe_layout import strategy_keywords
+    from lightning_3d.planner.recipe_layout import parallel_config
 
-    config = ParallelConfig(**strategy_keywords(parallel))
+    config = parallel_config(parallel)
     config.require_implemented()
     return config
 

@@ -126,8 +126,11 @@ class LayoutOptions:
     context_parallel_mode: str = "ring"
     sequence_parallel: bool = False
     tensor_parallel_plan: Any = field(default=None, compare=False)  # a TensorParallelPlan, a dict, or None
+    dims: ParallelDims = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # the degrees first: every other rule assumes them valid
+        _set(self, dims=ParallelDims(dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel, cp=self.context_parallel))
         mode = _choice("context_parallel_mode", self.context_parallel_mode, CONTEXT_PARALLEL_MODES,
                        {"ulysses": "all_to_all", "a2a": "all_to_all", "p2p": "ring"})
         if not isinstance(self.sequence_parallel, bool):
@@ -242,7 +245,7 @@ GROUPS: dict[str, type] = {
 }
 # The strategy's keyword -> (group, field): the one place the public names meet the groups.
 KEYWORDS: dict[str, tuple[str, str]] = {
-    **{f.name: ("layout", f.name) for f in fields(LayoutOptions)},
+    **{f.name: ("layout", f.name) for f in fields(LayoutOptions) if f.init},
     **{f.name: ("sharding", f.name) for f in fields(ShardingOptions)},
     "pipeline_schedule": ("pipeline", "schedule"),
     "micro_batches": ("pipeline", "micro_batches"),
@@ -270,7 +273,6 @@ class ParallelConfig:
     recompute: RecomputeOptions
     checkpoint: CheckpointOptions
     runtime: RuntimeOptions
-    dims: ParallelDims = field(compare=False)
 
     def __init__(self, **keywords: Any) -> None:
         unknown = sorted(set(keywords) - set(KEYWORDS))
@@ -280,15 +282,15 @@ class ParallelConfig:
         for key, value in keywords.items():
             group, name = KEYWORDS[key]
             grouped[group][name] = value
-        degrees = {f.name: f.default for f in fields(LayoutOptions)} | grouped["layout"]
-        dims = ParallelDims(  # the degrees first: every other rule assumes them valid
-            dp=degrees["data_parallel"], tp=degrees["tensor_parallel"], pp=degrees["pipeline_parallel"], cp=degrees["context_parallel"]
-        )
-        object.__setattr__(self, "dims", dims)
-        for name, cls in GROUPS.items():
+        for name, cls in GROUPS.items():  # layout first: its degrees are checked before anything else
             object.__setattr__(self, name, cls(**grouped[name]))
         raise_refusals([r for r in self.refusals() if not r.unsupported])
         self.sharding.check_nvme_path()
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The degrees (``dp`` may still be ``"auto"``: :meth:`check_world` resolves it)."""
+        return self.layout.dims
 
     def keywords(self) -> dict[str, Any]:
         """The strategy keywords this configuration was built from (normalised): the inverse of the mapping."""

@@ -26,6 +26,12 @@ def strategy_keywords(parallel: DictConfig) -> dict[str, Any]:
     return out
 
 
+def parallel_config(parallel: DictConfig) -> ParallelConfig:
+    """The strategy's configuration for ``cfg.parallel`` (validated; not yet checked against what this
+    version implements: the strategy and :func:`lightning_3d.apps.recipe.build_config` do that)."""
+    return ParallelConfig(**strategy_keywords(parallel))
+
+
 def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
     """With ``parallel.auto: true``, replace the layout keys by the planner's best layout.
 
@@ -67,7 +73,7 @@ def apply_layout(cfg: DictConfig, best: Estimate, global_batch: int) -> DictConf
 
 def layout_of(cfg: DictConfig, world_size: int) -> Layout:
     """The :class:`Layout` a recipe config runs, read through the strategy's own validation."""
-    config = ParallelConfig(**strategy_keywords(cfg.parallel))
+    config = parallel_config(cfg.parallel)
     dims = config.dims.resolve(world_size)
     per_replica = int(cfg.data.global_batch_size) // dims.dp
     m = 1
