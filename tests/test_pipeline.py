@@ -4,7 +4,7 @@ layout invariance up to dp2 x tp2 x pp2, weight updates, shapes that change, che
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -158,29 +158,37 @@ def test_simulator_detects_a_deadlock():
 
 
 # -- point to point under NCCL semantics (docs/pipeline.md) ------------------------------------------------------
-GRID = [
-    (name, p, v, m, forward_only)
-    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [1, 2, 3, 4]), ("zb_h1", [1]), ("zb_v", [2]), ("dualpipe_v", [2]))
-    for p in range(1, 7)
-    for v in vs
-    for m in range(1, 20)
-    for forward_only in (False, True)
-]
+SCHEDULE_VS = {"gpipe": [1], "1f1b": [1], "interleaved_1f1b": [1, 2, 3, 4], "zb_h1": [1], "zb_v": [2], "dualpipe_v": [2]}
+ALL_MICRO_BATCHES = range(1, 20)
+# `make test`: every p and v, the micro-batch counts that are below, at, above and far above 2p
+# (the warm-up/steady/cool-down boundaries); `make test-slow`: every m up to 19
+SOME_MICRO_BATCHES = (1, 2, 3, 4, 5, 6, 7, 9, 12, 19)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"])
-def test_communication_plans_run_under_nccl_semantics(name):
-    """Every plan the runtime can post for p 1..6, v 1..4, m 1..19 (ragged ones included), training and
-    evaluation, finishes under the strict model with one queue per peer and with one queue per rank,
-    with a shape header on no activation and on every one; receives are waited before the compute
-    that uses them and every item by the end of the step (check_plan raises otherwise)."""
-    cases = [c for c in GRID if c[0] == name]
-    for _, p, v, m, forward_only in cases:
+def _check_every_plan(name: str, micro_batches: Iterable[int]) -> int:
+    """Every plan the runtime can post for p 1..6, each v and the given m (ragged ones included),
+    training and evaluation, finishes under the strict model with one queue per peer and with one
+    queue per rank, with a shape header on no activation and on every one; receives are waited
+    before the compute that uses them and every item by the end of the step (check_plan raises
+    otherwise). Returns the number of schedules checked."""
+    cases = [(p, v, m, f) for p in range(1, 7) for v in SCHEDULE_VS[name] for m in micro_batches for f in (False, True)]
+    for p, v, m, forward_only in cases:
         plan = communication_plan(build_schedule(name, p, m, v, forward_only))  # (what build_plan returns, unchecked)
         for fifo in ("peer", "rank"):
             for headers in ("none", "all"):
                 check_plan(plan, fifo, headers)
-    assert len(cases) == (6 * 4 if name == "interleaved_1f1b" else 6) * 19 * 2
+    return len(cases)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_VS))
+def test_communication_plans_run_under_nccl_semantics(name):
+    assert _check_every_plan(name, SOME_MICRO_BATCHES) == 6 * len(SCHEDULE_VS[name]) * len(SOME_MICRO_BATCHES) * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEDULE_VS))
+def test_communication_plans_at_every_micro_batch_count(name):
+    assert _check_every_plan(name, ALL_MICRO_BATCHES) == 6 * len(SCHEDULE_VS[name]) * len(ALL_MICRO_BATCHES) * 2
 
 
 @pytest.mark.parametrize(("p", "v", "m", "new"), [(2, 2, 4, {0, 2}), (4, 2, 6, {0, 3}), (3, 1, 5, {0, 4}), (2, 3, 3, {1})])
@@ -344,7 +352,7 @@ def wide_reference() -> dict[str, Any]:
     return {"train": wide_steps(model), "eval": wide_steps(model, train=False)}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])  # (4 ranks: every hop of each plan)
 def test_large_activations_on_real_ranks(world, wide_reference):
     """1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV with 8 MiB activations (sends cannot hide in socket buffers),
     shapes that change mid-step and a ragged micro-batch count (see wide_batches): the same losses and
@@ -644,9 +652,9 @@ def pp2_world(tmp: str) -> dict[str, Any]:
     )
 
 
-def four_rank_world() -> dict[str, Any]:
-    return run_checks(
-        {
+def four_rank_world(names: frozenset[str]) -> dict[str, Any]:
+    """The runs in ``names`` (``make test`` and ``make test-slow`` each start their own world)."""
+    runs = {
             "pp4": lambda: gpt_run(pipeline_parallel=4),
             "dp2pp2": lambda: gpt_run(pipeline_parallel=2, data_parallel=2),
             "tp2pp2": lambda: gpt_run(pipeline_parallel=2, tensor_parallel=2),
@@ -663,8 +671,8 @@ def four_rank_world() -> dict[str, Any]:
             ),
             "llama_dp2pp2": lambda: llama_run(pipeline_parallel=2, data_parallel=2),
             "llama_tp2pp2": lambda: llama_run(pipeline_parallel=2, tensor_parallel=2),
-        }
-    )
+    }
+    return run_checks({name: run for name, run in runs.items() if name in names})
 
 
 def eight_rank_world() -> dict[str, Any]:
@@ -695,9 +703,20 @@ def pp2(tmp_path_factory) -> list[dict[str, Any]]:
     return run_on_ranks(pp2_world, 2, str(tmp_path_factory.mktemp("pp2")), timeout=900)
 
 
+# `make test` runs pp4 under every schedule family and tp2 x pp2 with sequence parallelism and with a V;
+# `make test-slow` the rest (dp2 x pp2 and tp2 x pp2 are also composition-matrix layouts)
+FOUR = ["pp4", "tp2pp2_sp", "pp4_zb_h1", "pp4_zb_v", "pp4_dualpipe_v_acc2", "tp2pp2_zb_v_zero1_acc2"]
+FOUR_SLOW = ["dp2pp2", "tp2pp2", "tp2pp2_zb_h1_zero1", "tp2pp2_dualpipe_v_zero1_acc2"]
+
+
 @pytest.fixture(scope="module")
 def four() -> list[dict[str, Any]]:
-    return run_on_ranks(four_rank_world, 4, timeout=900)
+    return run_on_ranks(four_rank_world, 4, frozenset([*FOUR, "llama_dp2pp2", "llama_tp2pp2"]), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def four_slow() -> list[dict[str, Any]]:
+    return run_on_ranks(four_rank_world, 4, frozenset(FOUR_SLOW), timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -723,18 +742,22 @@ def test_pp2_gpt_matches_one_process(pp2, single, name):
     assert len(reference) == STEPS
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "pp4", "dp2pp2", "tp2pp2", "tp2pp2_sp", "pp4_zb_h1", "tp2pp2_zb_h1_zero1",
-        "pp4_zb_v", "pp4_dualpipe_v_acc2", "tp2pp2_zb_v_zero1_acc2", "tp2pp2_dualpipe_v_zero1_acc2",
-    ],
-)
-def test_four_rank_layouts_match_one_process(four, single, name):
+def _check_four(ranks: list[dict[str, Any]], single: dict[str, Any], name: str) -> None:
     """(The V schedules: pp4 on an 8-layer GPT, and with gradient accumulation against one process's.)"""
     eight = name.startswith("pp4_") and "_v" in name
     reference = result_of(single, ("gpt8" if eight else "gpt") + ("_acc2" if name.endswith("_acc2") else ""))["losses"]
-    np.testing.assert_allclose(_mean([result_of(r, name)["losses"] for r in four]), reference, rtol=1e-5)
+    np.testing.assert_allclose(_mean([result_of(r, name)["losses"] for r in ranks]), reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", FOUR)
+def test_four_rank_layouts_match_one_process(four, single, name):
+    _check_four(four, single, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FOUR_SLOW)
+def test_more_four_rank_layouts_match_one_process(four_slow, single, name):
+    _check_four(four_slow, single, name)
 
 
 def test_dp2_tp2_pp2_zero1_on_eight_ranks(eight, single):

@@ -39,6 +39,51 @@ def test_registered_as_3d():
     assert trainer.strategy.is_distributed
 
 
+# `import lightning_3d` before Lightning: the package loads nothing heavy, and the name is registered by
+# the import hook once Lightning is imported (the test process above has the other order)
+_IMPORT_ORDER = """
+import sys
+import lightning_3d
+assert "lightning" not in sys.modules and "torch" not in sys.modules, sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "torch"))
+import lightning as L
+from lightning.pytorch.strategies import StrategyRegistry
+assert "3d" in StrategyRegistry
+trainer = L.Trainer(strategy="3d", accelerator="cpu", devices=1, logger=False)
+assert type(trainer.strategy) is lightning_3d.ThreeDParallelStrategy, type(trainer.strategy)
+try:
+    L.Trainer(strategy="3d", accelerator="cpu", devices=1, logger=False, precision="transformer-engine")
+except ValueError as err:
+    assert "precision='transformer-engine' is not supported by ThreeDParallelStrategy" in str(err), err
+else:
+    raise AssertionError("transformer-engine was not refused")
+from lightning_3d.apps.cli import main
+"""
+
+
+def test_registered_when_lightning_is_imported_after_the_package():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_ORDER], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_version_and_plan_do_not_import_lightning(capsys):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from lightning_3d.apps.cli import main\n"
+        "assert main(['--version']) == 0\n"
+        "assert main(['plan', 'model=bloom_176b', 'cluster=jean_zay_bloom', '--top', '1']) == 0\n"
+        "assert 'lightning' not in sys.modules, 'plan imported Lightning'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lightning-3d" in proc.stdout
+
+
 def test_constructor_has_every_documented_keyword():
     params = inspect.signature(ThreeDParallelStrategy).parameters
     assert all(k in params for k in STRATEGY_KEYWORDS)

@@ -218,16 +218,17 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def _run(command: str, call: Callable[[], Optional[int]]) -> int:
     """Run a subcommand; a user error prints one line and exits 2, anything else keeps its traceback
-    (``LIGHTNING_3D_TRACEBACK=1`` shows it for user errors too)."""
-    from lightning_3d.resilience.preemption import EXIT_CODE, TrainingInterrupted
-
+    (``LIGHTNING_3D_TRACEBACK=1`` shows it for user errors too). What the handling needs is imported
+    only when something is raised: ``plan`` and ``--version`` never load Lightning."""
     try:
         return call() or 0
-    except TrainingInterrupted as interrupted:  # SIGTERM: the checkpoint is written; exit as a scheduler expects
-        print(f"lightning-3d {command}: {interrupted}", file=sys.stderr, flush=True)
-        return EXIT_CODE
-    except user_errors() as err:
-        if os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
+    except Exception as err:
+        from lightning_3d.resilience.preemption import EXIT_CODE, TrainingInterrupted
+
+        if isinstance(err, TrainingInterrupted):  # SIGTERM: the checkpoint is written; exit as a scheduler expects
+            print(f"lightning-3d {command}: {err}", file=sys.stderr, flush=True)
+            return EXIT_CODE
+        if not isinstance(err, user_errors()) or os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
             raise
         message = _plain_message(" ".join(str(err).split()) or type(err).__name__)
         print(f"lightning-3d {command}: error: {message}", file=sys.stderr, flush=True)

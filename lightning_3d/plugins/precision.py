@@ -505,32 +505,3 @@ def unsupported_precision(name: Any) -> ValueError:
         f"precision={name!r} is not supported by ThreeDParallelStrategy; use "
         f"{', '.join(repr(p) for p in modes[:-1])} or {modes[-1]!r}."
     )
-
-
-def install_precision_check() -> None:
-    """Refuse ``Trainer(precision=...)`` values the strategy cannot run before Lightning builds them
-    (idempotent). Lightning turns the precision string into a plugin before the strategy sees it; for
-    ``"transformer-engine"`` that means an ``ImportError`` asking the user to install a package the
-    strategy would then refuse anyway. Wrapping that one connector step lets the strategy answer
-    first, with the values it does support: a strategy that declares ``supported_precision`` (ours
-    declares :data:`MODES`) is checked, any other is left alone."""
-    import functools
-
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    original = _AcceleratorConnector._check_and_init_precision
-    if getattr(original, "_lightning_3d", False):
-        return
-
-    @functools.wraps(original)
-    def check_then_init(self: Any) -> Any:
-        supported = getattr(self.strategy, "supported_precision", None)
-        flag = getattr(self, "_precision_flag", None)
-        if supported is not None and getattr(self, "_precision_plugin_flag", None) is None:
-            if isinstance(flag, str) and flag not in supported:
-                raise unsupported_precision(flag)
-        return original(self)
-
-    check_then_init._lightning_3d = True  # type: ignore[attr-defined]
-    _AcceleratorConnector._check_and_init_precision = check_then_init  # type: ignore[method-assign]
-

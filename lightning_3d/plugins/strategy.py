@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_3d.checkpoint import AtomicCheckpointIO
 from lightning_3d.checkpoint.formats import checkpoint_format as checkpoint_format_for
-from lightning_3d.core import rank_zero
+from lightning_3d.core import STRATEGY_NAME, rank_zero
 from lightning_3d.core.config import (
     DEFAULT_BUCKET_MB,
     DEFAULT_TIMEOUT_S,
@@ -111,7 +111,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
             or ``"spawn"``/``"fork"``/``"forkserver"``. Ignored under torchrun or SLURM.
     """
 
-    strategy_name = "3d"
+    strategy_name = STRATEGY_NAME
     supported_precision = tuple(MODES)  # Trainer(precision=...) values; others are refused before Lightning builds them
 
     def __init__(

@@ -71,10 +71,11 @@ def enabled_by_env() -> bool:
 _DISPATCH = ("torch.overrides", "torch._tensor", "torch.functional")  # Python wrappers that only dispatch
 
 
-def _caller() -> tuple[str, str]:
+def _caller(depth: int = 2) -> tuple[str, str]:
     """(module, "file:line") of the code that called the torch function (past dispatch wrappers): a
-    tensor torch's own code makes (inside ``broadcast_object_list``, say) is not ours."""
-    frame = sys._getframe(2)
+    tensor torch's own code makes (inside ``broadcast_object_list``, say) is not ours. ``depth``: the
+    frames between this function and ``__torch_function__``'s caller."""
+    frame = sys._getframe(depth)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module != __name__ and module not in _DISPATCH:
@@ -119,16 +120,6 @@ def mark_host(t: Tensor, why: str) -> Tensor:
     return t
 
 
-def _tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, Tensor):
-                    yield b
-
-
 def _names_host(device: Any) -> bool:
     """The literal ``"cpu"``: code that says "the host". (A ``torch.device`` could be the compute
     device of a CPU run, so it counts as the device.)"""
@@ -149,8 +140,47 @@ def _to_target(args: tuple, kwargs: dict) -> Optional[str]:
     return None
 
 
+_FACTORY, _CONVERSION, _SOURCE, _MOVE, _IN_PLACE, _TO, _COMPUTE = range(7)
+_KINDS: dict[Any, int] = {}  # torch function -> what it does to host tags (decided once per function)
+
+
+def _kind_of(func: Callable) -> int:
+    kind = _KINDS.get(func)
+    if kind is not None:
+        return kind
+    name = getattr(func, "__name__", "")
+    if func in _FACTORIES:
+        kind = _FACTORY
+    elif func in _CONVERSIONS:
+        kind = _CONVERSION
+    elif func in _HOST_SOURCES:
+        kind = _SOURCE
+    elif name in _HOST_MOVES:
+        kind = _MOVE
+    elif name.endswith("_") and not name.endswith("__") or name == "__setitem__":
+        kind = _IN_PLACE
+    elif name == "to":
+        kind = _TO
+    else:
+        kind = _COMPUTE
+    try:
+        _KINDS[func] = kind
+    except TypeError:  # an unhashable callable: decided again next time
+        pass
+    return kind
+
+
+def _tag_if_ours(out: Any, what: str) -> None:
+    module, site = _caller(3)
+    if _ours(module):
+        _tag(out, f"{site} ({what})")
+
+
 class _HostTracker(TorchFunctionMode):
-    """Tags host tensors as they are made and carries the tag through computations on them."""
+    """Tags host tensors as they are made and carries the tag through computations on them.
+
+    Every torch call of a strict run passes here, so the common case (a computation on device
+    tensors) is one cached kind lookup and one pass over the arguments."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -158,58 +188,81 @@ class _HostTracker(TorchFunctionMode):
         if original is not None:  # a checked collective re-dispatched by torch.distributed: checked once already
             return original(*args, **kwargs)
         out = func(*args, **kwargs)
-        if func in _FACTORIES:
+        kind = _kind_of(func)
+        if kind == _COMPUTE:
+            return _carry_tag(out, args, kwargs)
+        if kind == _IN_PLACE:
+            return out  # the target stays where it is
+        if kind == _FACTORY:
             device, pinned = kwargs.get("device"), kwargs.get("pin_memory")
             if device is None or pinned or _names_host(device):
-                module, site = _caller()
-                if _ours(module):
-                    what = f"torch.{func.__name__} without device=" if device is None else "host memory"
-                    _tag(out, f"{site} ({what})")
-            return out
-        if func in _CONVERSIONS and not isinstance(args[0] if args else None, Tensor):
-            device = kwargs.get("device")
-            if device is None or _names_host(device):
-                module, site = _caller()
-                if _ours(module):
-                    _tag(out, f"{site} (torch.{func.__name__} without device=)")
-            return out
-        if func in _HOST_SOURCES:
-            module, site = _caller()
-            if _ours(module):
-                _tag(out, f"{site} (torch.{func.__name__})")
-            return out
-        name = getattr(func, "__name__", "")
-        if name in _HOST_MOVES:
-            module, site = _caller()
-            if _ours(module):
-                _tag(out, f"{site} (.{name}())")
-            return out
-        if name.endswith("_") and not name.endswith("__") or name == "__setitem__":
-            return out  # in place: the target stays where it is
-        if name == "to":
-            target = _to_target(args, kwargs)
-            if target is not None:
-                source = host_site(args[0])
-                like = host_site(args[1]) if target == "like" and len(args) > 1 else None
-                site = _caller()[1] + " (.to('cpu'))" if target == "host" and _ours(_caller()[0]) else like
-                if out is args[0] and site != source:
-                    # on a CPU-only machine the move is a no-op returning the same object: hand back
-                    # an alias, so the source keeps its tag (or none) and the result gets its own
-                    out = out.detach() if not out.requires_grad else out.view_as(out)
-                if out is not args[0]:
-                    if site is None:
-                        if host_site(out) is not None:
-                            delattr(out, _ATTR)
-                    else:
-                        _tag(out, site)
-                return out
-        tagged = [t for t in _tensors(args, kwargs) if host_site(t) is not None]
-        if not tagged or (args and out is args[0]):
-            return out  # nothing from the host, or the input itself came back (contiguous(), ...)
-        if any(host_site(t) is None and t.dim() > 0 for t in _tensors(args, kwargs)):
-            return out  # a device tensor takes part: the result lives on the device
-        _tag(out, host_site(tagged[0]))
+                _tag_if_ours(out, f"torch.{func.__name__} without device=" if device is None else "host memory")
+        elif kind == _CONVERSION:
+            if not isinstance(args[0] if args else None, Tensor):
+                device = kwargs.get("device")
+                if device is None or _names_host(device):
+                    _tag_if_ours(out, f"torch.{func.__name__} without device=")
+            else:
+                return _carry_tag(out, args, kwargs)
+        elif kind == _SOURCE:
+            _tag_if_ours(out, f"torch.{func.__name__}")
+        elif kind == _MOVE:
+            _tag_if_ours(out, f".{func.__name__}()")
+        else:
+            return _moved(out, args, kwargs)
         return out
+
+
+def _carry_tag(out: Any, args: tuple, kwargs: dict) -> Any:
+    """A computation's result is host memory when its tensor inputs all are (scalars aside)."""
+    site = None
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, Tensor):
+            found = getattr(a, _ATTR, None)
+            if found is None:
+                if a.dim() > 0:
+                    return out  # a device tensor takes part: the result lives on the device
+            elif site is None:
+                site = found
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    found = getattr(b, _ATTR, None)
+                    if found is None:
+                        if b.dim() > 0:
+                            return out
+                    elif site is None:
+                        site = found
+    if site is None or (args and out is args[0]):
+        return out  # nothing from the host, or the input itself came back (contiguous(), ...)
+    _tag(out, site)
+    return out
+
+
+def _moved(out: Any, args: tuple, kwargs: dict) -> Any:
+    """``Tensor.to``: a named host target tags the result at the caller, a device target clears the
+    tag, ``x.to(other)`` takes ``other``'s, a dtype-only cast computes like any other function."""
+    target = _to_target(args, kwargs)
+    if target is None:
+        return _carry_tag(out, args, kwargs)
+    source = host_site(args[0])
+    like = host_site(args[1]) if target == "like" and len(args) > 1 else None
+    site = like
+    if target == "host":
+        module, where = _caller(3)
+        if _ours(module):
+            site = where + " (.to('cpu'))"
+    if out is args[0] and site != source:
+        # on a CPU-only machine the move is a no-op returning the same object: hand back
+        # an alias, so the source keeps its tag (or none) and the result gets its own
+        out = out.detach() if not out.requires_grad else out.view_as(out)
+    if out is not args[0]:
+        if site is None:
+            if host_site(out) is not None:
+                delattr(out, _ATTR)
+        else:
+            _tag(out, site)
+    return out
 
 
 def check_device(fn: str, tensors: Any) -> None:
