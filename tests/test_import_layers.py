@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lightning_3d"
 LAYERS: list[set[str]] = [
     {"core"},
     {"testing"},
-    {"tensor_parallel", "pipeline", "context_parallel", "zero", "transforms"},
+    {"tensor_parallel", "pipeline", "context_parallel", "zero", "moe", "transforms"},
     {"models", "data", "checkpoint", "monitoring", "planner"},
     {"parallel", "resilience"},
     {"plugins"},

@@ -71,6 +71,7 @@ class ModelDims:
     ffn: int
     seq_len: Optional[int] = None
     labels: dict[str, str] = field(default_factory=dict, compare=False)
+    n_experts: int = 0  # routed experts of its MoE layers (0: a dense model)
 
 
 DEFAULT_LABELS = {key: key for key in ("n_layer", "hidden", "n_head", "n_kv_head", "ffn", "seq_len")}
@@ -196,6 +197,23 @@ def tensor_parallel_refusals(tp: int, model: ModelLike) -> list[Refusal]:
     return out
 
 
+def expert_refusals(*, tp: int, pp: int, cp: int, model: Any) -> list[Refusal]:
+    """Mixture-of-experts layers run under data parallelism and ZeRO (which replicate or shard the
+    experts like any parameter); tensor, pipeline and context parallelism do not know them yet: the
+    experts would be split or their auxiliary losses lost without a word."""
+    experts = getattr(model, "n_experts", 0)
+    degrees = [f"{name}={n}" for name, n in (("tensor_parallel", tp), ("pipeline_parallel", pp), ("context_parallel", cp)) if n > 1]
+    if not experts or not degrees:
+        return []
+    return [Refusal(
+        "experts_need_data_parallel",
+        f"the model has mixture-of-experts layers (n_experts={experts}), which this version trains under data "
+        f"parallelism and ZeRO 0-3 only, not at {', '.join(degrees)}; use data_parallel alone (expert parallelism "
+        f"and MoE under tensor, pipeline and context parallelism are not implemented yet).",
+        unsupported=True,
+    )]
+
+
 def pipeline_refusals(pp: int, virtual_stages: int, model: ModelLike) -> list[Refusal]:
     """Every pipeline piece (pp x virtual stages of them) needs at least one layer."""
     pieces = pp * virtual_stages
@@ -263,6 +281,7 @@ def model_refusals(
     """What the model's shape refuses. ``tensor_parallel_plan=False``: the user brings their own
     plan, so the built-in plans' divisibility does not apply."""
     out = tensor_parallel_refusals(tp, model) if tensor_parallel_plan else []
+    out += expert_refusals(tp=tp, pp=pp, cp=cp, model=model)
     out += context_parallel_refusals(cp, context_parallel_mode, tp, sequence_parallel, model)
     return out + pipeline_refusals(pp, virtual_stages, model) + sequence_parallel_refusals(tp, sequence_parallel, model)
 

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_3d.moe import GroupedExperts, MoE
+
 
 MLPS = ("gelu", "swiglu")
 IGNORE_INDEX = -100  # targets equal to this are masked out of the loss (padding, prompts)
@@ -42,6 +44,13 @@ class GPTConfig:
     ``mlp="swiglu"`` (gate/up/down projections), ``norm="rmsnorm"``, ``position="rope"`` (rotary
     embeddings on q and k, no learned position table), usually with ``bias=False`` and
     ``tie_embeddings=False``.
+
+    Mixture of experts (issue 34): ``n_experts > 0`` replaces the MLP of every ``moe_every``-th block
+    (the last of each group: ``moe_every=2`` makes blocks 1, 3, ... MoE) with ``n_experts`` SwiGLU
+    experts of width ``expert_hidden`` (default ``ffn_dim``), ``top_k`` of them per token, plus
+    ``n_shared_experts`` experts every token uses (lightning_3d/moe). ``router_score``: "softmax" or
+    "sigmoid"; ``capacity_factor``: None routes every token (dropless); ``moe_balance_loss`` and
+    ``moe_z_loss``: the auxiliary losses' coefficients, added to the training loss.
     """
 
     vocab_size: int = 256
@@ -58,6 +67,15 @@ class GPTConfig:
     norm: str = "layernorm"
     position: str = "learned"
     rope_theta: float = 10000.0
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    moe_every: int = 1
+    expert_hidden: Optional[int] = None
+    router_score: str = "softmax"
+    capacity_factor: Optional[float] = None
+    moe_balance_loss: float = 0.01
+    moe_z_loss: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -87,6 +105,29 @@ class GPTConfig:
                 )
             if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
                 raise ValueError(f"GPTConfig.rope_theta={self.rope_theta!r} must be a positive number.")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("n_experts", "n_shared_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"GPTConfig.{name}={value!r} is invalid: it must be a whole number >= 0 (0: none).")
+        if not self.n_experts:
+            return
+        if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) or not 1 <= self.moe_every <= self.n_layer:
+            raise ValueError(f"GPTConfig.moe_every={self.moe_every!r} must be a whole number from 1 (every block) to n_layer={self.n_layer}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"GPTConfig.top_k={self.top_k!r} must be a whole number from 1 to n_experts={self.n_experts}.")
+        if self.expert_hidden is not None and (not isinstance(self.expert_hidden, int) or self.expert_hidden < 1):
+            raise ValueError(f"GPTConfig.expert_hidden={self.expert_hidden!r} must be a positive integer or None (= ffn_dim).")
+
+    def is_moe_block(self, index: int) -> bool:
+        """Block ``index`` (0-based) has experts in place of its MLP."""
+        return self.n_experts > 0 and (index + 1) % self.moe_every == 0
+
+    @property
+    def expert_dim(self) -> int:
+        return self.expert_hidden or self.ffn_dim
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +154,9 @@ class GPTConfig:
             mlp = 2 * e * f + (f + e if self.bias else 0)
         positions = self.block_size * e if self.position == "learned" else 0
         head = 0 if self.tie_embeddings else v * e
-        return v * e + positions + layers * (2 * norm + attention + mlp) + norm + head
+        moe_blocks = sum(self.is_moe_block(i) for i in range(layers))
+        moe = self.n_experts * e + 3 * e * self.expert_dim * (self.n_experts + self.n_shared_experts)  # router, experts, shared
+        return v * e + positions + layers * (2 * norm + attention) + (layers - moe_blocks) * mlp + moe_blocks * moe + norm + head
 
 
 def sequence_positions(t: int, device: torch.device) -> Tensor:
@@ -229,12 +272,20 @@ def make_norm(config: GPTConfig) -> nn.Module:
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config)
-        self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
+        self.mlp: nn.Module
+        if config.is_moe_block(index):
+            self.mlp = MoE(
+                config.n_embd, config.expert_dim, config.n_experts, config.top_k, n_shared_experts=config.n_shared_experts,
+                score=config.router_score, capacity_factor=config.capacity_factor,
+                balance_coefficient=config.moe_balance_loss, z_loss_coefficient=config.moe_z_loss,
+            )
+        else:
+            self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -251,7 +302,7 @@ class GPT(nn.Module):
         if config.position == "learned":
             self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -270,7 +321,7 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if hasattr(module, "in_features") and hasattr(module, "out_features"):
-                std = residual_std if name.endswith(("o_proj", "mlp.proj", "mlp.down_proj")) else 0.02
+                std = residual_std if name.endswith(("o_proj", "mlp.proj", "mlp.down_proj", "shared_experts.down_proj")) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
@@ -280,6 +331,8 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, GroupedExperts):
+                module.reset_parameters(std=0.02, down_std=residual_std)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token (+ learned position) embeddings: ``(B, T)`` ids -> ``(B, T, n_embd)``. With rope,
@@ -306,7 +359,18 @@ class GPT(nn.Module):
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x)
-        return self.head(x, targets)
+        out = self.head(x, targets)
+        return out if targets is None or not self.config.n_experts else out + self.aux_loss()
+
+    def aux_loss(self) -> Tensor | float:
+        """The MoE layers' auxiliary losses of the last training forward (0 without experts), each
+        handed out once."""
+        total: Tensor | float = 0.0
+        for module in self.modules():
+            if isinstance(module, MoE) and module.aux_loss is not None:
+                total = total + module.aux_loss
+                module.aux_loss = None
+        return total
 
 
 def _as_config(config: Union[GPTConfig, dict, None]) -> GPTConfig:

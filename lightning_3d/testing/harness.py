@@ -24,7 +24,9 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-_PRELOAD = ["torch", "torch.distributed", "lightning", "lightning_3d"]
+# what every rank would import after the fork (the package root is lazy: name the strategy and the
+# reference model, which import nearly all the rest)
+_PRELOAD = ["torch", "torch.distributed", "lightning", "lightning_3d", "lightning_3d.plugins.strategy", "lightning_3d.models.gpt"]
 _context: Optional[Any] = None
 
 

@@ -295,7 +295,8 @@ class GPTAdapter(ModelAdapter):
         c = model.config
         names = dict(n_layer="n_layer", hidden="n_embd", n_head="n_head", n_kv_head="n_kv_head", ffn="ffn_dim")
         return ModelDims(
-            c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.ffn_dim, labels={k: f"GPTConfig.{v}" for k, v in names.items()}
+            c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.ffn_dim, labels={k: f"GPTConfig.{v}" for k, v in names.items()},
+            n_experts=c.n_experts,
         )
 
     def model_shape(self, model: nn.Module, seq_len: int) -> ModelShape:

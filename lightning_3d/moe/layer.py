@@ -1,0 +1,116 @@
+"""A mixture-of-experts MLP: route each token to k experts, compute them grouped, combine.
+
+Dispatch here is local (every expert on this rank). Tokens are not dropped unless a capacity factor
+is given (``capacity_factor``; Megatron's name), in which case each expert keeps at most
+``ceil(factor * tokens * k / E)`` of its rows, those with the highest router weights (Megatron's
+``probs`` drop policy); a dropped row adds nothing, so that token keeps only its residual (and the
+shared experts).
+
+Auxiliary losses (``aux_loss`` after a training forward, None otherwise) are computed per sequence
+(the sequence-wise balance loss of DeepSeek-V3, and the router z-loss of ST-MoE averaged over
+tokens): a sequence's statistics do not depend on which micro-batch or replica it lands in, so the
+loss is the same however the batch is split. The model adds them to its loss.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_3d.moe.experts import GroupedExperts, capacity
+from lightning_3d.moe.router import Routing, TopKRouter
+
+
+class SharedExperts(nn.Module):
+    """Experts every token goes through (DeepSeek-V3, Qwen2-MoE): one SwiGLU of ``n * hidden`` width."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _sorted_rows(routing: Routing, n_experts: int, keep_per_expert: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """(token of each routed row, its weight, rows per expert), rows grouped by expert in token order;
+    with ``keep_per_expert``, each expert's rows beyond it (lowest weights first) are left out."""
+    k = routing.experts.shape[-1]
+    experts = routing.experts.reshape(-1)
+    weights = routing.weights.reshape(-1)
+    if keep_per_expert is None:
+        order = torch.argsort(experts, stable=True)
+    else:
+        by_weight = torch.argsort(weights, descending=True, stable=True)
+        order = by_weight[torch.argsort(experts[by_weight], stable=True)]
+        counts = torch.bincount(experts, minlength=n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(order.numel(), device=order.device) - starts[experts[order]]
+        order = order[position < keep_per_expert]
+    counts = torch.bincount(experts[order], minlength=n_experts)
+    return order // k, weights[order], counts
+
+
+class MoE(nn.Module):
+    """Router, routed experts and optional shared experts, as a drop-in for a block's MLP."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        n_shared_experts: int = 0,
+        score: str = "softmax",
+        normalize: bool = True,
+        capacity_factor: Optional[float] = None,
+        balance_coefficient: float = 0.01,
+        z_loss_coefficient: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be positive (None: drop no token).")
+        self.router = TopKRouter(dim, n_experts, top_k, score=score, normalize=normalize)
+        self.experts = GroupedExperts(dim, hidden, n_experts)
+        self.shared_experts = SharedExperts(dim, n_shared_experts * hidden) if n_shared_experts else None
+        self.capacity_factor = capacity_factor
+        self.balance_coefficient, self.z_loss_coefficient = balance_coefficient, z_loss_coefficient
+        self.aux_loss: Optional[Tensor] = None
+
+    @property
+    def n_experts(self) -> int:
+        return self.experts.n_experts
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        keep = None if self.capacity_factor is None else capacity(tokens.shape[0], self.router.top_k, self.n_experts, self.capacity_factor)
+        token_of_row, weight_of_row, counts = _sorted_rows(routing, self.n_experts, keep)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        rows = self.experts(tokens[token_of_row], offsets)
+        out = torch.zeros_like(tokens).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        self.aux_loss = self._aux_loss(routing, shape) if self.training and torch.is_grad_enabled() else None
+        return out.view(shape)
+
+    def _aux_loss(self, routing: Routing, shape: torch.Size) -> Optional[Tensor]:
+        """Balance loss per sequence, averaged over the sequences; z-loss averaged over the tokens."""
+        terms = []
+        sequences = shape[0] if len(shape) == 3 else 1
+        if self.balance_coefficient:
+            e, k = self.n_experts, self.router.top_k
+            chosen = F.one_hot(routing.experts, e).sum(dim=1).float().view(sequences, -1, e)  # (S, T, E)
+            scores = routing.scores / routing.scores.sum(dim=-1, keepdim=True)  # sigmoid scores normalised
+            fraction = chosen.mean(dim=1) * (e / k)  # f_i per sequence: 1 when balanced
+            probability = scores.view(sequences, -1, e).mean(dim=1)  # P_i per sequence
+            terms.append(self.balance_coefficient * (fraction * probability).sum(dim=-1).mean())
+        if self.z_loss_coefficient:
+            terms.append(self.z_loss_coefficient * torch.logsumexp(routing.logits, dim=-1).square().mean())
+        return sum(terms) if terms else None  # type: ignore[return-value]
