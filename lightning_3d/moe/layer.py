@@ -1,6 +1,7 @@
 """A mixture-of-experts MLP: route each token to k experts, compute them grouped, combine.
 
-Dispatch here is local (every expert on this rank). Tokens are not dropped unless a capacity factor
+Dispatch is local (every expert on this rank) unless expert parallelism was applied
+(moe/expert_parallel.py: rows travel to their expert's rank and back). Tokens are not dropped unless a capacity factor
 is given (``capacity_factor``; Megatron's name), in which case each expert keeps at most
 ``ceil(factor * tokens * k / E)`` of its rows, those with the highest router weights (Megatron's
 ``probs`` drop policy); a dropped row adds nothing, so that token keeps only its residual (and the
@@ -14,12 +15,13 @@ loss is the same however the batch is split. The model adds them to its loss.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_3d.moe.expert_parallel import dispatch_to_experts
 from lightning_3d.moe.experts import GroupedExperts, capacity
 from lightning_3d.moe.router import Routing, TopKRouter
 
@@ -81,10 +83,12 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor
         self.balance_coefficient, self.z_loss_coefficient = balance_coefficient, z_loss_coefficient
         self.aux_loss: Optional[Tensor] = None
+        self.expert_group: Optional[Any] = None  # set by expert parallelism (moe/expert_parallel.py)
 
     @property
     def n_experts(self) -> int:
-        return self.experts.n_experts
+        """Routed experts of the whole layer (this rank holds ``n_experts / ep`` of them)."""
+        return self.router.n_experts
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -92,8 +96,10 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         keep = None if self.capacity_factor is None else capacity(tokens.shape[0], self.router.top_k, self.n_experts, self.capacity_factor)
         token_of_row, weight_of_row, counts = _sorted_rows(routing, self.n_experts, keep)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        rows = self.experts(tokens[token_of_row], offsets)
+        if self.expert_group is None:
+            rows = self.experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
+        else:
+            rows = dispatch_to_experts(tokens[token_of_row], counts, self.experts, self.expert_group)
         out = torch.zeros_like(tokens).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -1,0 +1,103 @@
+"""Expert parallelism for one MoE layer: each rank of an expert group holds E / ep experts, and
+routed rows travel to their expert's rank and back with two uneven ``all_to_all_single``.
+
+Applied from outside (:func:`shard_experts`), as tensor parallelism is to linears: the layer keeps
+its router and shared experts whole; its ``GroupedExperts`` keeps only this rank's slice of the
+stacked weights, and its dispatch becomes :func:`dispatch_to_experts`.
+
+NCCL's rules: the per-expert row counts are exchanged on the compute device (one
+``all_to_all_single`` of ``E`` integers); the split sizes of the row exchange must be Python ints
+for ``all_to_all_single``, so one blocking host read of ``2 x ep`` counts per layer and forward is
+made (dropless routing sizes the exchange by the data, which only the counts know; Megatron and
+torchtitan read them the same way). The read is blocking (``.tolist()`` waits for the device), so no
+``non_blocking`` copy is ever read early. No tags, no point-to-point.
+
+Gradients: an expert's weight gradient here sums the rows of every rank of the group (they all
+route to it), where a dense weight's gradient on one replica sums only that replica's rows and the
+replicas' gradients are then averaged. So the experts' gradients are the group's sum; the strategy's
+reduction divides them by ``ep`` like the dense ones' mean (issue 34's next step wires that).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_3d.moe.experts import GroupedExperts
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven ``all_to_all_single`` of rows; its backward is the exchange the other way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], receive: list[int], group: Any) -> Tensor:  # noqa: ANN001
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:  # noqa: ANN001
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.receive, group=ctx.group)
+        return out, None, None, None
+
+
+def exchange_counts(counts: Tensor, group: Any) -> Tensor:
+    """``counts``: rows this rank sends to each global expert (``E``, on the device, grouped by owner
+    rank). Returns the rows each rank of the group sends to each of this rank's experts
+    (``ep x E_local``, row r from rank r), on the device."""
+    ep = dist.get_world_size(group)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received.view(ep, -1)
+
+
+def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, group: Any) -> Tensor:
+    """``rows``: this rank's routed rows sorted by global expert (``counts`` of them per expert, a
+    device tensor). Runs every row through its expert wherever that expert lives and returns the
+    results in ``rows``' order."""
+    ep = dist.get_world_size(group)
+    local = experts.n_experts
+    received = exchange_counts(counts, group)  # (ep, E_local)
+    sizes = torch.stack([counts.view(ep, local).sum(dim=1), received.sum(dim=1)]).tolist()  # the one host read
+    send, receive = sizes
+    arrived = _AllToAll.apply(rows, send, receive, group)  # grouped by (source rank, local expert)
+    # regroup by local expert: arrival order is source-major; the experts want expert-major
+    per_block = received.reshape(-1)  # block b = (source b // E_local, expert b % E_local)
+    block_of_row = torch.repeat_interleave(torch.arange(per_block.numel(), device=rows.device), per_block)
+    expert_of_row = block_of_row % local
+    order = torch.argsort(expert_of_row * ep + block_of_row // local, stable=True)
+    offsets = torch.cumsum(received.sum(dim=0), 0).to(torch.int32)
+    computed = experts(arrived[order], offsets)
+    back = torch.empty_like(computed)
+    back[order] = computed  # (an index_put: its backward gathers, as the forward's arrived[order] scatters back)
+    return _AllToAll.apply(back, receive, send, group)
+
+
+def shard_experts(experts: GroupedExperts, group: Any) -> None:
+    """Keep this rank's ``E / ep`` experts of ``experts`` (in place; contiguous blocks by rank)."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    if experts.n_experts % ep:
+        raise ValueError(f"expert_parallel={ep} must divide n_experts={experts.n_experts}.")
+    local = experts.n_experts // ep
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        full = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone()))
+    experts.n_experts = local
+
+
+def apply_expert_parallel(module: nn.Module, group: Any) -> None:
+    """Expert parallelism over ``group`` for every MoE layer in ``module``: each keeps its
+    ``E / ep`` experts and sends routed rows to their owners (ranks of ``group`` hold their own
+    tokens, as data-parallel ranks do)."""
+    for layer in module.modules():
+        experts = getattr(layer, "experts", None)
+        if isinstance(experts, GroupedExperts) and hasattr(layer, "expert_group"):
+            if layer.expert_group is not None:
+                continue  # already applied (a second set-up)
+            shard_experts(experts, group)
+            layer.expert_group = group
