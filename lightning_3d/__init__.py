@@ -30,7 +30,10 @@ __all__ = sorted([*_HOMES, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
+    register_when_lightning_loads()  # (cheap once registered)
     home = _HOMES.get(name)
+    if "." in name:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if home is not None:
         value = getattr(importlib.import_module(home), name)
     elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:

@@ -192,7 +192,13 @@ EIGHT_RANKS = {
 # three families at the 8-rank layouts, one each
 ALL_TWO = [(kind, name) for kind in FAMILIES for name in TWO_RANKS] + [(kind, "zero3") for kind in NO_PLAN]
 ALL_EIGHT = [(kind, name) for kind in FAMILIES for name in EIGHT_RANKS]
-SAMPLE_TWO = [(kind, list(TWO_RANKS)[i % len(TWO_RANKS)]) for i, kind in enumerate(FAMILIES)] + [(kind, "zero3") for kind in NO_PLAN]
+# (each layout trains at least one family: the ring refuses soft-capping and short sliding windows, so it
+# gets families without them, and Gemma 2 goes to all-to-all, which computes them)
+SAMPLE_LAYOUT = {
+    "llama": "cp2-ring", "mistral": "tp2", "qwen2": "pp2", "qwen3": "tp2-sp", "gemma2": "cp2-a2a", "gemma3": "pp2-zbv",
+    "phi3": "zero3", "olmo2": "tp2", "granite": "pp2", "gpt2": "cp2-ring", "gpt_neox": "tp2-sp", "starcoder2": "zero3",
+}
+SAMPLE_TWO = [(kind, SAMPLE_LAYOUT[kind]) for kind in FAMILIES] + [(kind, "zero3") for kind in NO_PLAN]
 SAMPLE_EIGHT = [("llama", "dp2tp2pp2"), ("qwen3", "dp2tp2pp2-sp"), ("gpt2", "cp2tp2pp2")]
 
 

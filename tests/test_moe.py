@@ -78,22 +78,49 @@ def test_grouped_mm_matches_a_loop_including_empty_experts():
         torch.testing.assert_close(grouped_mm(x.double(), w.double(), offsets).float(), loop)  # float64: the loop itself
 
 
-def test_capacity_factor_keeps_each_experts_highest_weights():
-    moe = _moe(capacity_factor=0.5)
+def test_capacity_factor_keeps_each_experts_highest_weights_per_sequence():
+    moe = _moe(capacity_factor=1.0)
     x = torch.randn(4, 6, DIM)
-    tokens = x.reshape(-1, DIM)
-    keep = capacity(tokens.shape[0], TOP_K, EXPERTS, 0.5)
-    assert keep == 4  # ceil(0.5 * 24 tokens * 2 / 6): half of the 8 rows an expert gets on average
-    with torch.no_grad():
-        routing = moe.router(tokens)
-    expected = torch.zeros_like(tokens)
-    for e in range(EXPERTS):
-        rows = [(float(routing.weights[t, j]), t, j) for t in range(tokens.shape[0]) for j in range(TOP_K) if routing.experts[t, j] == e]
-        for weight, t, _ in sorted(rows, key=lambda r: -r[0])[:keep]:
-            expected[t] += weight * _expert(moe, e, tokens[t])
-    torch.testing.assert_close(moe(x).reshape(-1, DIM), expected, rtol=1e-5, atol=1e-6)
+    keep = capacity(6, TOP_K, EXPERTS, 1.0)
+    assert keep == 2  # ceil(1.0 * 6 tokens * 2 / 6 experts) rows per expert and sequence
+    expected = torch.zeros_like(x)
+    dropped = 0
+    for s, sequence in enumerate(x):
+        with torch.no_grad():
+            routing = moe.router(sequence)
+        for e in range(EXPERTS):
+            rows = [(float(routing.weights[t, j]), t) for t in range(6) for j in range(TOP_K) if routing.experts[t, j] == e]
+            dropped += max(0, len(rows) - keep)
+            for weight, t in sorted(rows, key=lambda r: -r[0])[:keep]:
+                expected[s, t] += weight * _expert(moe, e, sequence[t])
+    assert dropped > 0  # the case is one that drops
+    out = moe(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([moe(part) for part in x.split(1)]), out)  # any split: the same drops
     with pytest.raises(ValueError, match="capacity_factor=0"):
         MoE(DIM, HIDDEN, EXPERTS, TOP_K, capacity_factor=0)
+
+
+@pytest.mark.parametrize("dim", [16, 12], ids=["grouped-gemm", "loop"])  # 12 bf16 features: not 16-byte rows
+def test_under_autocast_the_experts_run_in_bf16_and_stay_close_to_fp32(dim):
+    torch.manual_seed(0)
+    moe = MoE(dim, 24, EXPERTS, TOP_K, n_shared_experts=1)
+    x = torch.randn(2, 5, dim)
+    full = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = moe(x)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), full, rtol=5e-2, atol=5e-3)
+    half.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in moe.experts.parameters())
+
+
+def test_top_1_weights_are_one_when_normalised_and_the_probability_when_not():
+    torch.manual_seed(0)
+    x = torch.randn(5, DIM)
+    assert torch.equal(TopKRouter(DIM, EXPERTS, 1)(x).weights, torch.ones(5, 1))
+    raw = TopKRouter(DIM, EXPERTS, 1, normalize=False)(x)
+    torch.testing.assert_close(raw.weights[:, 0], raw.scores.max(dim=-1).values)
 
 
 def test_aux_losses_are_per_sequence_so_any_split_of_the_batch_gives_the_same():
@@ -188,3 +215,28 @@ def test_dp2_moe_matches_one_process_at_every_zero_stage_and_other_degrees_are_r
         message = result_of(ranks[0], name)
         assert "n_experts=4" in message and degree in message, message
         assert "which this version trains under data parallelism and ZeRO 0-3 only" in message, message
+
+
+def test_flops_per_token_count_what_a_token_computes_in_its_experts():
+    """The loop path (10 fp32 features: not 16-byte rows) is plain matmuls, which torch's counter sees."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_3d.models.adapters.registry import adapter_for
+    from lightning_3d.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=10, bias=False, **{**MOE_GPT, "expert_hidden": 6})
+    model = GPT(config)
+    x = torch.randint(0, 64, (2, 8))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(x, x).backward()
+    assert counter.get_total_flops() / x.numel() == pytest.approx(adapter_for(model).flops_per_token(model, 8), rel=0.01)
+    with pytest.raises(ValueError, match="a mixture-of-experts GPT has no Hugging Face export yet"):
+        adapter_for(model).hf_export(config)
+
+
+def test_the_planner_refuses_a_model_with_experts_instead_of_counting_it_dense(capsys):
+    from lightning_3d.apps.cli import main
+
+    assert main(["plan", "model=gpt_tiny", "+model.n_experts=4", "cluster=local_cpu"]) == 2
+    assert "model.n_experts=4: the planner does not count experts' parameters" in capsys.readouterr().err

@@ -162,7 +162,7 @@ SCHEDULE_VS = {"gpipe": [1], "1f1b": [1], "interleaved_1f1b": [1, 2, 3, 4], "zb_
 ALL_MICRO_BATCHES = range(1, 20)
 # `make test`: every p and v, the micro-batch counts that are below, at, above and far above 2p
 # (the warm-up/steady/cool-down boundaries); `make test-slow`: every m up to 19
-SOME_MICRO_BATCHES = (1, 2, 3, 4, 5, 6, 7, 9, 12, 19)
+SOME_MICRO_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 19)
 
 
 def _check_every_plan(name: str, micro_batches: Iterable[int]) -> int:

@@ -42,9 +42,11 @@ def test_registered_as_3d():
 # `import lightning_3d` before Lightning: the package loads nothing heavy, and the name is registered by
 # the import hook once Lightning is imported (the test process above has the other order)
 _IMPORT_ORDER = """
+import importlib.util
 import sys
 import lightning_3d
 assert "lightning" not in sys.modules and "torch" not in sys.modules, sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "torch"))
+assert importlib.util.find_spec("lightning") is not None  # an availability check imports nothing: the hook stays
 import lightning as L
 from lightning.pytorch.strategies import StrategyRegistry
 assert "3d" in StrategyRegistry

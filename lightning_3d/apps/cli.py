@@ -205,15 +205,13 @@ def lightning_main(argv: list[str]) -> None:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the input is wrong": their message is the whole story."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    from lightning_3d.checkpoint.sharded import CheckpointError
-
-    return (
-        ValueError, CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError,
-        MisconfigurationException,
-    )
+    """Exceptions that mean "the input is wrong": their message is the whole story (Lightning's and
+    the checkpoint's own only where those are loaded: a ``plan`` never imports them)."""
+    errors: list[type[BaseException]] = [ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError]
+    for module, name in (("lightning.fabric.utilities.exceptions", "MisconfigurationException"), ("lightning_3d.checkpoint.sharded", "CheckpointError")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
 
 
 def _run(command: str, call: Callable[[], Optional[int]]) -> int:
@@ -223,11 +221,11 @@ def _run(command: str, call: Callable[[], Optional[int]]) -> int:
     try:
         return call() or 0
     except Exception as err:
-        from lightning_3d.resilience.preemption import EXIT_CODE, TrainingInterrupted
-
-        if isinstance(err, TrainingInterrupted):  # SIGTERM: the checkpoint is written; exit as a scheduler expects
+        preemption = sys.modules.get("lightning_3d.resilience.preemption")  # loaded by any command that trains
+        if preemption is not None and isinstance(err, preemption.TrainingInterrupted):
+            # SIGTERM: the checkpoint is written; exit as a scheduler expects
             print(f"lightning-3d {command}: {err}", file=sys.stderr, flush=True)
-            return EXIT_CODE
+            return preemption.EXIT_CODE
         if not isinstance(err, user_errors()) or os.environ.get("LIGHTNING_3D_TRACEBACK") == "1":
             raise
         message = _plain_message(" ".join(str(err).split()) or type(err).__name__)

@@ -39,7 +39,11 @@ def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor, counts: Optional[list
     """Rows ``offsets[e-1]:offsets[e]`` of ``x`` (``(M, in)``) times ``weight[e]`` (``(E, in, out)``).
 
     ``offsets``: the int32 cumulative row counts, on ``x``'s device. ``counts``: the same on the host,
-    needed only by the loop that stands in where grouped GEMM is missing."""
+    needed only by the loop that stands in where grouped GEMM is missing. Under autocast both run in
+    its dtype, as a ``Linear`` would (``torch._grouped_mm`` has no autocast rule of its own)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
     if _grouped_mm_available(x, weight):
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight.to(x.dtype), offs=offsets))
     if counts is None:

@@ -3,9 +3,10 @@
 Dispatch is local (every expert on this rank) unless expert parallelism was applied
 (moe/expert_parallel.py: rows travel to their expert's rank and back). Tokens are not dropped unless a capacity factor
 is given (``capacity_factor``; Megatron's name), in which case each expert keeps at most
-``ceil(factor * tokens * k / E)`` of its rows, those with the highest router weights (Megatron's
-``probs`` drop policy); a dropped row adds nothing, so that token keeps only its residual (and the
-shared experts).
+``ceil(factor * T * k / E)`` rows of each sequence of ``T`` tokens, those with the highest router
+weights (Megatron's ``probs`` drop policy, applied per sequence rather than per micro-batch, so that
+the drops are one process's at any data-parallel size or accumulation); a dropped row adds
+nothing, so that token keeps only its residual (and the shared experts).
 
 Auxiliary losses (``aux_loss`` after a training forward, None otherwise) are computed per sequence
 (the sequence-wise balance loss of DeepSeek-V3, and the router z-loss of ST-MoE averaged over
@@ -39,21 +40,27 @@ class SharedExperts(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _sorted_rows(routing: Routing, n_experts: int, keep_per_expert: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
-    """(token of each routed row, its weight, rows per expert), rows grouped by expert in token order;
-    with ``keep_per_expert``, each expert's rows beyond it (lowest weights first) are left out."""
+def _sorted_rows(routing: Routing, n_experts: int, keep: Optional[int], sequences: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(token of each routed row, its weight, rows per expert), rows grouped by expert in token order.
+
+    With ``keep``, each expert takes at most ``keep`` rows of each of the ``sequences`` (equal-length
+    runs of tokens), those with the highest weights: which tokens a sequence drops then does not
+    depend on the other sequences of its micro-batch, so not on how the batch is split."""
     k = routing.experts.shape[-1]
     experts = routing.experts.reshape(-1)
     weights = routing.weights.reshape(-1)
-    if keep_per_expert is None:
+    if keep is None:
         order = torch.argsort(experts, stable=True)
     else:
+        group = torch.div(torch.arange(experts.numel(), device=experts.device), experts.numel() // sequences, rounding_mode="floor")
+        group = group * n_experts + experts  # (sequence, expert)
         by_weight = torch.argsort(weights, descending=True, stable=True)
-        order = by_weight[torch.argsort(experts[by_weight], stable=True)]
-        counts = torch.bincount(experts, minlength=n_experts)
+        ranked = by_weight[torch.argsort(group[by_weight], stable=True)]  # by group, each by weight
+        counts = torch.bincount(group, minlength=sequences * n_experts)
         starts = torch.cumsum(counts, 0) - counts
-        position = torch.arange(order.numel(), device=order.device) - starts[experts[order]]
-        order = order[position < keep_per_expert]
+        position = torch.arange(ranked.numel(), device=ranked.device) - starts[group[ranked]]
+        kept = torch.sort(ranked[position < keep]).values  # back in token order
+        order = kept[torch.argsort(experts[kept], stable=True)]
     counts = torch.bincount(experts[order], minlength=n_experts)
     return order // k, weights[order], counts
 
@@ -94,13 +101,17 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
-        keep = None if self.capacity_factor is None else capacity(tokens.shape[0], self.router.top_k, self.n_experts, self.capacity_factor)
-        token_of_row, weight_of_row, counts = _sorted_rows(routing, self.n_experts, keep)
+        sequences = shape[0] if len(shape) == 3 else 1
+        keep = None
+        if self.capacity_factor is not None:
+            keep = capacity(tokens.shape[0] // sequences, self.router.top_k, self.n_experts, self.capacity_factor)
+        token_of_row, weight_of_row, counts = _sorted_rows(routing, self.n_experts, keep, sequences)
         if self.expert_group is None:
             rows = self.experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
         else:
             rows = dispatch_to_experts(tokens[token_of_row], counts, self.experts, self.expert_group)
-        out = torch.zeros_like(tokens).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
+        # in the experts' dtype (autocast's, as a dense MLP's output would be)
+        out = tokens.new_zeros(tokens.shape, dtype=rows.dtype).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         self.aux_loss = self._aux_loss(routing, shape) if self.training and torch.is_grad_enabled() else None

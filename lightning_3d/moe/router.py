@@ -2,7 +2,8 @@
 
 Scores are a softmax over the experts (Mixtral, Qwen3-MoE, OLMoE) or independent sigmoids
 (DeepSeek-V3). The k chosen experts' weights are renormalised to sum to one when asked
-(``normalize``: Qwen3-MoE's ``norm_topk_prob``; always for sigmoid scores, as DeepSeek-V3 does),
+(``normalize``: Qwen3-MoE's ``norm_topk_prob``; always for sigmoid scores, as DeepSeek-V3 does;
+``normalize=False`` with softmax keeps the raw probability, as Switch's top-1 does),
 then multiplied by ``scale`` (DeepSeek-V3's ``routed_scaling_factor``).
 """
 
@@ -44,7 +45,7 @@ class TopKRouter(nn.Module):
         logits = self.gate(x).float()  # routing decisions in fp32: bf16 ties flip experts between layouts
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         weights, experts = torch.topk(scores, self.top_k, dim=-1, sorted=False)
-        if self.normalize and self.top_k > 1:
+        if self.normalize:  # (at top_k=1 the weight is then 1: the router learns from the auxiliary losses alone)
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-20)
         if self.scale != 1.0:
             weights = weights * self.scale

@@ -84,6 +84,12 @@ def problem_from_config(
     if software not in SOFTWARE:
         raise ValueError(f"software={software!r}: choose one of {sorted(SOFTWARE)}.")
     model_cfg: Any = OmegaConf.to_container(cfg.model, resolve=True)
+    if model_cfg.get("n_experts"):
+        raise ValueError(
+            f"model.n_experts={model_cfg['n_experts']}: the planner does not count experts' parameters, memory or "
+            f"all-to-all traffic yet (issue 34); choose the layout yourself (mixture-of-experts models train under "
+            f"data parallelism and ZeRO in this version)."
+        )
     cluster = with_nodes(load_cluster(cfg.cluster), nodes)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
     batch = global_batch or int(cfg.data.global_batch_size) * accumulate

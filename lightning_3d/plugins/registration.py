@@ -14,6 +14,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import warnings
 from types import ModuleType
 from typing import Any, Optional, Sequence
 
@@ -86,21 +87,34 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        register_with_lightning()
+        _remove_hook()
+        try:
+            register_with_lightning()
+        except Exception as err:  # noqa: BLE001 - never break `import lightning` for processes that do not use "3d"
+            warnings.warn(f"lightning_3d could not register strategy='3d' with Lightning ({err!r}); "
+                          f"pass ThreeDParallelStrategy(...) to the Trainer instead.", stacklevel=2)
 
     def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ...
         return getattr(self._loader, name)
 
 
 class _AfterLightningImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when the trigger is imported, wraps the real spec's loader, once."""
+    """Finds nothing itself: when the trigger is looked up for an import, hands back the real spec
+    with its loader wrapped. It stays installed until that loader has run, so a lookup that imports
+    nothing (``importlib.util.find_spec("lightning")``, an availability check) does not use it up."""
+
+    def __init__(self) -> None:
+        self._searching = False
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != _TRIGGER:
+        if fullname != _TRIGGER or self._searching or fullname in sys.modules:
             return None
-        _remove_hook()
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
+        self._searching = True  # the search below asks the finders again, this one included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._searching = False
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _Loader):
             spec.loader = _Loader(spec.loader)
         return spec
 
@@ -116,8 +130,10 @@ def _remove_hook() -> None:
 
 
 def register_when_lightning_loads() -> None:
-    """Called by ``lightning_3d/__init__.py``."""
+    """Called by ``lightning_3d/__init__.py`` at import and at each name it resolves (a safety net
+    for a Lightning that was half imported when the hook went in)."""
     if _TRIGGER in sys.modules and getattr(sys.modules[_TRIGGER], "pytorch", None) is not None:
+        _remove_hook()
         register_with_lightning()
     elif _hook not in sys.meta_path:
         sys.meta_path.insert(0, _hook)

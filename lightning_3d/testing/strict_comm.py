@@ -145,29 +145,28 @@ _KINDS: dict[Any, int] = {}  # torch function -> what it does to host tags (deci
 
 
 def _kind_of(func: Callable) -> int:
-    kind = _KINDS.get(func)
-    if kind is not None:
-        return kind
+    try:
+        kind = _KINDS.get(func)
+    except TypeError:  # an unhashable callable: decided each time
+        return _decide_kind(func)
+    if kind is None:
+        kind = _KINDS[func] = _decide_kind(func)
+    return kind
+
+
+def _decide_kind(func: Callable) -> int:
     name = getattr(func, "__name__", "")
     if func in _FACTORIES:
-        kind = _FACTORY
-    elif func in _CONVERSIONS:
-        kind = _CONVERSION
-    elif func in _HOST_SOURCES:
-        kind = _SOURCE
-    elif name in _HOST_MOVES:
-        kind = _MOVE
-    elif name.endswith("_") and not name.endswith("__") or name == "__setitem__":
-        kind = _IN_PLACE
-    elif name == "to":
-        kind = _TO
-    else:
-        kind = _COMPUTE
-    try:
-        _KINDS[func] = kind
-    except TypeError:  # an unhashable callable: decided again next time
-        pass
-    return kind
+        return _FACTORY
+    if func in _CONVERSIONS:
+        return _CONVERSION
+    if func in _HOST_SOURCES:
+        return _SOURCE
+    if name in _HOST_MOVES:
+        return _MOVE
+    if name.endswith("_") and not name.endswith("__") or name == "__setitem__":
+        return _IN_PLACE
+    return _TO if name == "to" else _COMPUTE
 
 
 def _tag_if_ours(out: Any, what: str) -> None:
