@@ -238,7 +238,7 @@ def bf16_mixed(tp: int) -> list[float]:
     L.seed_everything(0)
     recorder = LossRecorder()
     trainer = quiet_trainer(
-        max_steps=6, limit_val_batches=0, callbacks=[recorder], precision="bf16-mixed",
+        max_steps=STEPS, limit_val_batches=0, callbacks=[recorder], precision="bf16-mixed",
         strategy=ThreeDParallelStrategy(tensor_parallel=tp),
     )
     trainer.fit(tiny_gpt(), tiny_data(global_batch_size=8))
@@ -431,7 +431,7 @@ def test_padded_vocabulary_never_affects_the_loss(tp2, single):
 def test_bf16_mixed_tracks_fp32_within_bf16_tolerance(tp2, single):
     ours, reference = np.array(result_of(tp2[0], "bf16")), np.array(result_of(single, "bf16"))
     np.testing.assert_allclose(ours, reference, rtol=2e-2)
-    np.testing.assert_allclose(ours, result_of(single, "gpt_clip")["losses"][:6], rtol=5e-2)
+    np.testing.assert_allclose(ours, result_of(single, "gpt_clip")["losses"], rtol=5e-2)
 
 
 @pytest.mark.parametrize(
