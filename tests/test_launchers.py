@@ -135,9 +135,10 @@ CLI_COMMON = [
 @pytest.mark.parametrize(
     "strategy_args",
     [
-        ["--trainer.strategy=3d"],
-        # the strategy by class path, as flags and in YAML: `make test-slow` (the subclass-mode test
-        # names the strategy by class path in `make test`)
+        # by name: `make test-slow` (test_cli_prepare_then_fit_on_the_token_file runs the same command on a
+        # token file in `make test`, with these assertions); by class path, as flags and in YAML: `make
+        # test-slow` (the subclass-mode test names the strategy by class path in `make test`)
+        pytest.param(["--trainer.strategy=3d"], marks=pytest.mark.slow),
         pytest.param(["--trainer.strategy=lightning_3d.ThreeDParallelStrategy", "--trainer.strategy.data_parallel=2"], marks=pytest.mark.slow),
         pytest.param("yaml", marks=pytest.mark.slow),
     ],
@@ -156,9 +157,14 @@ def test_lightning_cli_fit(tmp_path, strategy_args):
         (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
         strategy_args = ["--config=run.yaml"]
     _run([str(BIN / "lightning-3d"), "fit", *strategy_args, *CLI_COMMON, *CLI_MODEL], cwd=tmp_path)
-    saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
+    _check_cli_run(tmp_path)
+
+
+def _check_cli_run(work: Path) -> None:
+    """LightningCLI saved the run's config with our strategy, and the checkpoint is a complete sharded one."""
+    saved = yaml.safe_load((work / "lightning_logs" / "version_0" / "config.yaml").read_text())
     assert "3d" in str(saved["trainer"]["strategy"]) or "ThreeDParallelStrategy" in str(saved["trainer"]["strategy"])
-    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=3.ckpt" / "manifest.json").is_file()
+    assert (work / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=3.ckpt" / "manifest.json").is_file()
 
 
 def test_cli_prepare_then_fit_on_the_token_file(tmp_path):
@@ -172,6 +178,7 @@ def test_cli_prepare_then_fit_on_the_token_file(tmp_path):
         [str(BIN / "lightning-3d"), "fit", "--trainer.strategy=3d", "--data.source=data/corpus.bin", *CLI_COMMON, *CLI_MODEL],
         cwd=tmp_path,
     )
+    _check_cli_run(tmp_path)
 
 
 def test_lightning_cli_fit_trains_the_users_classes(tmp_path):
