@@ -240,3 +240,21 @@ def test_the_planner_refuses_a_model_with_experts_instead_of_counting_it_dense(c
 
     assert main(["plan", "model=gpt_tiny", "+model.n_experts=4", "cluster=local_cpu"]) == 2
     assert "model.n_experts=4: the planner does not count experts' parameters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "DeepseekV3Config"])
+def test_hugging_face_moe_families_are_held_to_data_parallelism_too(family):
+    """transformers' MoE plans shard experts in ways the tensor-parallel path does not implement: the
+    layout rules see the experts in the config and refuse tp/pp/cp by name, as for the reference GPT."""
+    import transformers
+
+    from lightning_3d.core.layout_rules import model_refusals
+    from lightning_3d.models.adapters.hf_common import config_dims
+
+    config = getattr(transformers, family)()
+    dims = config_dims(config)
+    assert dims.n_experts == (getattr(config, "n_routed_experts", None) or config.num_local_experts) > 0
+    reasons = model_refusals(tp=2, pp=1, model=dims)
+    assert any(r.rule == "experts_need_data_parallel" and "tensor_parallel=2" in r.message for r in reasons)
+    assert not [r for r in model_refusals(tp=1, pp=1, model=dims) if r.rule == "experts_need_data_parallel"]
+    assert config_dims(transformers.LlamaConfig()).n_experts == 0

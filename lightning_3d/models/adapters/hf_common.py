@@ -119,6 +119,9 @@ def config_dims(c: Any) -> ModelDims:
     return ModelDims(
         _config_int(c, "num_hidden_layers"), hidden, heads, _config_int(c, "num_key_value_heads", default=heads),
         _config_int(c, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden), labels=dict(CONFIG_LABELS),
+        # Mixtral, Qwen3-MoE, OLMoE (num_local_experts / num_experts), DeepSeek-V3 (n_routed_experts): the
+        # layout rules keep their experts to data parallelism until expert parallelism covers them
+        n_experts=_config_int(c, "num_local_experts", "num_experts", "n_routed_experts", default=0),
     )
 
 
