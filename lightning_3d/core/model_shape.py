@@ -26,7 +26,6 @@ class ModelShape:
     dropout: bool = False  # dropout > 0: masks are kept for backward
     rms_norm: bool = False  # RMSNorm (torch's keeps its input and the normalized input)
     attention_head_dim: Optional[int] = None  # a head width other than hidden / n_head (Gemma, Qwen3)
-    n_experts: int = 0  # routed experts of the MoE layers (the planner does not count them yet: issue 34)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> "ModelShape":
@@ -51,7 +50,6 @@ class ModelShape:
             bias=bool(config.get("bias", True)),
             dropout=float(config.get("dropout", 0.0) or 0.0) > 0,
             rms_norm=config.get("norm", "layernorm") == "rmsnorm",
-            n_experts=int(config.get("n_experts", 0) or 0),
         )
 
     @property

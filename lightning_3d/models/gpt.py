@@ -126,6 +126,11 @@ class GPTConfig:
         return self.n_experts > 0 and (index + 1) % self.moe_every == 0
 
     @property
+    def moe_blocks(self) -> int:
+        """How many blocks have experts."""
+        return sum(self.is_moe_block(i) for i in range(self.n_layer))
+
+    @property
     def expert_dim(self) -> int:
         return self.expert_hidden or self.ffn_dim
 
@@ -154,7 +159,7 @@ class GPTConfig:
             mlp = 2 * e * f + (f + e if self.bias else 0)
         positions = self.block_size * e if self.position == "learned" else 0
         head = 0 if self.tie_embeddings else v * e
-        moe_blocks = sum(self.is_moe_block(i) for i in range(layers))
+        moe_blocks = self.moe_blocks
         moe = self.n_experts * e + 3 * e * self.expert_dim * (self.n_experts + self.n_shared_experts)  # router, experts, shared
         return v * e + positions + layers * (2 * norm + attention) + (layers - moe_blocks) * mlp + moe_blocks * moe + norm + head
 

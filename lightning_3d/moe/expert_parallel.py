@@ -68,7 +68,9 @@ def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, g
     arrived = _AllToAll.apply(rows, send, receive, group)  # grouped by (source rank, local expert)
     # regroup by local expert: arrival order is source-major; the experts want expert-major
     per_block = received.reshape(-1)  # block b = (source b // E_local, expert b % E_local)
-    block_of_row = torch.repeat_interleave(torch.arange(per_block.numel(), device=rows.device), per_block)
+    block_of_row = torch.repeat_interleave(  # (output_size: known from the read above, so no second one)
+        torch.arange(per_block.numel(), device=rows.device), per_block, output_size=sum(receive)
+    )
     expert_of_row = block_of_row % local
     order = torch.argsort(expert_of_row * ep + block_of_row // local, stable=True)
     offsets = torch.cumsum(received.sum(dim=0), 0).to(torch.int32)

@@ -40,6 +40,12 @@ class SharedExperts(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _count(ids: Tensor, n: int) -> Tensor:
+    """How many of ``ids`` equal each of ``0..n-1``, on their device without a host read
+    (``torch.bincount`` reads the maximum back on CUDA)."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def _sorted_rows(routing: Routing, n_experts: int, keep: Optional[int], sequences: int) -> tuple[Tensor, Tensor, Tensor]:
     """(token of each routed row, its weight, rows per expert), rows grouped by expert in token order.
 
@@ -56,12 +62,12 @@ def _sorted_rows(routing: Routing, n_experts: int, keep: Optional[int], sequence
         group = group * n_experts + experts  # (sequence, expert)
         by_weight = torch.argsort(weights, descending=True, stable=True)
         ranked = by_weight[torch.argsort(group[by_weight], stable=True)]  # by group, each by weight
-        counts = torch.bincount(group, minlength=sequences * n_experts)
+        counts = _count(group, sequences * n_experts)
         starts = torch.cumsum(counts, 0) - counts
         position = torch.arange(ranked.numel(), device=ranked.device) - starts[group[ranked]]
         kept = torch.sort(ranked[position < keep]).values  # back in token order
         order = kept[torch.argsort(experts[kept], stable=True)]
-    counts = torch.bincount(experts[order], minlength=n_experts)
+    counts = _count(experts[order], n_experts)
     return order // k, weights[order], counts
 
 
@@ -114,13 +120,12 @@ class MoE(nn.Module):
         out = tokens.new_zeros(tokens.shape, dtype=rows.dtype).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
-        self.aux_loss = self._aux_loss(routing, shape) if self.training and torch.is_grad_enabled() else None
+        self.aux_loss = self._aux_loss(routing, sequences) if self.training and torch.is_grad_enabled() else None
         return out.view(shape)
 
-    def _aux_loss(self, routing: Routing, shape: torch.Size) -> Optional[Tensor]:
+    def _aux_loss(self, routing: Routing, sequences: int) -> Optional[Tensor]:
         """Balance loss per sequence, averaged over the sequences; z-loss averaged over the tokens."""
         terms = []
-        sequences = shape[0] if len(shape) == 3 else 1
         if self.balance_coefficient:
             e, k = self.n_experts, self.router.top_k
             chosen = F.one_hot(routing.experts, e).sum(dim=1).float().view(sequences, -1, e)  # (S, T, E)

@@ -307,7 +307,7 @@ class GPTAdapter(ModelAdapter):
         router and its ``top_k`` routed plus the shared SwiGLU experts (forward + backward: 3x)."""
         dense = super().flops_per_token(model, seq_len)
         c = model.config
-        blocks = sum(c.is_moe_block(i) for i in range(c.n_layer))
+        blocks = c.moe_blocks
         if not blocks:
             return dense
         mlp = 2.0 * (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.ffn_dim
