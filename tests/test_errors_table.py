@@ -220,7 +220,7 @@ def load_weights_as_checkpoint() -> None:
 
 def two_optimizers_one_parameter() -> None:
     layer = nn.Linear(2, 2)
-    topology = SimpleNamespace(dims=SimpleNamespace(tp=1))  # all the check reads of the topology
+    topology = SimpleNamespace(dims=SimpleNamespace(tp=1, ep=1))  # all the check reads of the topology
     zero = ZeroCoordinator(1, topology, torch.float32, torch.float32, 2**20)  # type: ignore[arg-type]
     zero.wrap_optimizers(layer, [torch.optim.SGD(layer.parameters(), lr=0.1), torch.optim.SGD([layer.weight], lr=0.1)])
 

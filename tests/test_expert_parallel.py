@@ -82,3 +82,114 @@ def test_expert_parallel_layer_matches_one_process(world, skew, shared):
         if not name.startswith("experts."):
             np.testing.assert_allclose(sum(r["grads"][name] for r in ranks), full, rtol=1e-5, atol=1e-6, err_msg=name)
     assert ref["routed"] == ([0, 1] if skew else list(range(EXPERTS)))  # one-sided: rank 1's experts get no row
+
+
+# -- through the strategy: ThreeDParallelStrategy(expert_parallel=E) on 4 ranks ---------------------------------
+def _sgd_moe_gpt() -> Any:
+    """The MoE GPT of tests/test_moe.py under plain SGD: Adam's update hardly changes when a gradient
+    is scaled (the experts' by 1 / ep, say), SGD's changes in proportion, so the losses see it."""
+    from lightning_3d.models import GPTConfig, GPTModule
+    from tests.helpers import TINY_GPT
+    from tests.test_moe import MOE_GPT
+
+    class SGDGPT(GPTModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    return SGDGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT}))
+
+
+def _ep_fit(root: str | None, steps: int, ckpt_path: str | None = None, **strategy: Any) -> dict[str, Any]:
+    """The SGD MoE GPT trained ``steps`` steps (``root``: save every 2 steps there): this rank's losses
+    and the whole trained model's weights (gathered from every slice and shard; kept on rank 0)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_3d import ThreeDParallelStrategy
+    from tests.helpers import LossRecorder, quiet_trainer, tiny_data
+
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    callbacks: list[Any] = [recorder]
+    if root is not None:
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}"))
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=root is not None,
+        strategy=ThreeDParallelStrategy(**strategy), gradient_clip_val=1.0,
+    )
+    model = _sgd_moe_gpt()
+    trainer.fit(model, tiny_data(global_batch_size=8), ckpt_path=ckpt_path)
+    from lightning_3d.checkpoint.dense_state import full_state_dict
+
+    weights = {k: v.float().numpy() for k, v in full_state_dict(model).items()}  # (collective)
+    return {"losses": recorder.losses, "weights": weights if trainer.global_rank == 0 else None}
+
+
+def _refused(call: Any) -> str:
+    try:
+        call()
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
+    return "not refused"
+
+
+EP_STEPS = 4
+EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4 one
+    "ep2": dict(expert_parallel=2),
+    "ep2_zero1": dict(expert_parallel=2, zero_stage=1),
+    "ep2_zero3": dict(expert_parallel=2, zero_stage=3),
+    "ep4_zero2": dict(expert_parallel=4, zero_stage=2),
+}
+
+
+def _ep_world(root: str) -> dict[str, Any]:
+    from tests.helpers import run_checks
+
+    saved = f"{root}/ep2"
+    checks: dict[str, Any] = {name: (lambda s=s: _ep_fit(None, EP_STEPS, **s)) for name, s in EP_LAYOUTS.items()}
+    checks["saved"] = lambda: _ep_fit(saved, 2, expert_parallel=2)
+    for ep in (1, 4):  # a fresh Trainer and model at another expert_parallel, from the ep2 checkpoint
+        checks[f"resumed_ep{ep}"] = lambda ep=ep: _ep_fit(None, EP_STEPS, f"{saved}/step=2.ckpt", expert_parallel=ep)
+    checks["ep3"] = lambda: _refused(lambda: _ep_fit(None, 1, expert_parallel=3))
+    checks["dense"] = lambda: _refused(_dense_at_ep2)
+    return run_checks(checks)
+
+
+def _dense_at_ep2() -> None:
+    import lightning as L  # noqa: F401
+
+    from lightning_3d import ThreeDParallelStrategy
+    from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
+
+    quiet_trainer(max_steps=1, strategy=ThreeDParallelStrategy(expert_parallel=2)).fit(tiny_gpt(), tiny_data())
+
+
+def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_its_checkpoints(tmp_path):
+    """Issue 34: ep2 and ep4 taken from 4 data-parallel ranks, at ZeRO 0-3, give one process's losses
+    (gradient clipping on: the global norm counts every expert slice once); an ep2 checkpoint resumes
+    at ep1 and ep4 with the losses of continuing; a bad degree is refused before step 1."""
+    from tests.helpers import result_of
+
+    single = run_on_ranks(_ep_fit, 1, None, EP_STEPS, timeout=300)[0]
+    ranks = run_on_ranks(_ep_world, 4, str(tmp_path), timeout=900)
+
+    def mean(name: str) -> list[float]:
+        return [sum(step) / 4 for step in zip(*(result_of(rank, name)["losses"] for rank in ranks))]
+
+    def same_weights(name: str) -> None:  # SGD: a weight's update is lr x its gradient, so this checks every gradient
+        got = result_of(ranks[0], name)["weights"]
+        assert sorted(got) == sorted(single["weights"]), name
+        for key, want in single["weights"].items():
+            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-7, err_msg=f"{name}: {key}")
+
+    for name in EP_LAYOUTS:
+        np.testing.assert_allclose(mean(name), single["losses"], rtol=1e-5, err_msg=name)
+        same_weights(name)
+    np.testing.assert_allclose(mean("saved"), single["losses"][:2], rtol=1e-5)
+    for ep in (1, 4):
+        np.testing.assert_allclose(mean(f"resumed_ep{ep}"), single["losses"][2:], rtol=1e-5, err_msg=f"resumed at ep{ep}")
+        same_weights(f"resumed_ep{ep}")
+    ep3 = result_of(ranks[0], "ep3")
+    assert "expert_parallel=3 splits the experts over ranks taken from data_parallel=4" in ep3 and "does not divide" in ep3, ep3
+    dense = result_of(ranks[0], "dense")
+    assert "expert_parallel=2 splits the experts of mixture-of-experts layers, but the model has none" in dense, dense

@@ -214,7 +214,7 @@ def test_dp2_moe_matches_one_process_at_every_zero_stage_and_other_degrees_are_r
     for name, degree in (("tp2", "tensor_parallel=2"), ("pp2", "pipeline_parallel=2"), ("cp2", "context_parallel=2")):
         message = result_of(ranks[0], name)
         assert "n_experts=4" in message and degree in message, message
-        assert "which this version trains under data parallelism and ZeRO 0-3 only" in message, message
+        assert "which this version trains under data and expert parallelism and ZeRO 0-3 only" in message, message
 
 
 def test_flops_per_token_count_what_a_token_computes_in_its_experts():

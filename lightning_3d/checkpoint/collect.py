@@ -4,7 +4,8 @@
   boundaries (every data-parallel rank writes its slice; stage 0 with mixed precision: dp-rank 0).
 * FSDP2 (ZeRO-3) parameters: the rank's row chunk of its tensor-parallel slice.
 * Everything else (plain data parallel, frozen parameters, buffers): the whole tensor-parallel
-  slice, written by data-parallel rank 0 only.
+  slice, written by data-parallel rank 0 only -- or, for an expert slice (expert parallelism), by the
+  first of its expert replicas, so every slice of the stack is written once.
 * Optimizer state follows its parameter; per-parameter scalars (Adam's ``step``) go to the manifest.
 * A tied weight's copy on the last pipeline stage is skipped (the first stage writes it).
 """
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_3d.checkpoint.sharded import RankShard
-from lightning_3d.core.param_meta import is_pipeline_duplicate
+from lightning_3d.core.param_meta import is_pipeline_duplicate, replica_mesh_of
 from lightning_3d.core.topology import Topology
 from lightning_3d.tensor_parallel.spec import get_spec, spec_record
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer, _Bucket
@@ -27,12 +28,18 @@ def _is_dtensor(t: Tensor) -> bool:
     return hasattr(t, "to_local")
 
 
-def _row_chunk(t: Tensor, topology: Topology) -> tuple[int, int]:
-    """Flat range of this dp rank's FSDP2 row chunk (torch.chunk semantics over dim 0)."""
+def _writes_whole(t: Tensor, topology: Topology) -> bool:
+    """Whether this rank writes ``t`` whole: the first of the ranks holding it."""
+    mesh = replica_mesh_of(t)
+    return (mesh.get_local_rank() if mesh is not None else topology.dp_rank) == 0
+
+
+def _row_chunk(t: Tensor) -> tuple[int, int]:
+    """Flat range of this rank's FSDP2 row chunk (torch.chunk semantics over dim 0 of its mesh)."""
     rows = t.shape[0]
     row_size = t[0].numel() if rows else 0
-    per = -(-rows // topology.dp_size)
-    first = min(rows, topology.dp_rank * per)
+    per = -(-rows // t.device_mesh.size())
+    first = min(rows, t.device_mesh.get_local_rank() * per)
     last = min(rows, first + per)
     local = t.to_local()
     if local.shape[0] != last - first:
@@ -62,7 +69,7 @@ def collect_model(shard: RankShard, module: nn.Module, optimizers: list[Any], to
         tp = spec_record(get_spec(value), tuple(value.shape))
         if id(value) in zero:
             opt, slot, bucket = zero[id(value)]
-            if opt.stage == 0 and topology.dp_rank != 0:
+            if opt.stage == 0 and not _writes_whole(value, topology):
                 continue
             key = (id(opt), slot)
             if key not in masters:
@@ -72,9 +79,9 @@ def collect_model(shard: RankShard, module: nn.Module, optimizers: list[Any], to
                 if bucket.params[segment.index] is value:
                     shard.add("model", name, tp, list(value.shape), segment.start, segment.end, segment.of(master))
         elif _is_dtensor(value):
-            lo, hi = _row_chunk(value, topology)
+            lo, hi = _row_chunk(value)
             shard.add("model", name, tp, list(value.shape), lo, hi, value.to_local())
-        elif topology.dp_rank == 0:
+        elif _writes_whole(value, topology):
             shard.add("model", name, tp, list(value.shape), 0, value.numel(), value)
 
 
@@ -87,7 +94,7 @@ def collect_optimizer(shard: RankShard, index: int, optimizer: Any, names: dict[
         """Scalars go to the manifest; a tensor shaped unlike its parameter (Adafactor's factored
         moments; only where parameters are whole, see zero/optimizer_kinds.py) is stored whole."""
         if isinstance(value, Tensor) and value.dim() > 0 and not _is_dtensor(value):
-            if topology.dp_rank == 0:
+            if topology.dp_rank == 0:  # (expert slices are refused such optimizers: zero/optimizer_kinds.py)
                 shape = list(value.shape)
                 shard.add(kind + key, name, spec_record(None, tuple(shape)), shape, 0, value.numel(), value)
         else:
@@ -95,7 +102,7 @@ def collect_optimizer(shard: RankShard, index: int, optimizer: Any, names: dict[
 
     if isinstance(optimizer, ZeroOptimizer):
         for slot, bucket in enumerate(optimizer.buckets):
-            if optimizer.stage == 0 and topology.dp_rank != 0:
+            if optimizer.stage == 0 and not _writes_whole(bucket.params[0], topology):
                 continue
             for segment, state in optimizer.segment_states(slot, bucket):
                 p = bucket.params[segment.index]
@@ -119,9 +126,9 @@ def collect_optimizer(shard: RankShard, index: int, optimizer: Any, names: dict[
                 for key, value in state.items():
                     if isinstance(value, Tensor) and value.shape == p.shape and value.dim() > 0:
                         if _is_dtensor(value):
-                            lo, hi = _row_chunk(value, topology)
+                            lo, hi = _row_chunk(value)
                             shard.add(kind + key, name, tp, list(p.shape), lo, hi, value.to_local())
-                        elif topology.dp_rank == 0:
+                        elif _writes_whole(p, topology):
                             shard.add(kind + key, name, tp, list(p.shape), 0, value.numel(), value)
                     else:
                         add_other(name, key, value)

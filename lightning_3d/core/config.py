@@ -4,7 +4,7 @@
 those keywords (the one place they are mapped onto the groups, :data:`KEYWORDS`) and everything else
 -- the strategy, ``parallelize``, the dry run, the recipes and the CLI -- reads the groups:
 
-* ``layout``     the degrees and how they split the model (dp, tp, pp, cp, sequence parallel, a tp plan)
+* ``layout``     the degrees and how they split the model (dp, tp, pp, cp, ep, sequence parallel, a tp plan)
 * ``sharding``   ZeRO stage, offload targets, gradient buckets
 * ``pipeline``   schedule, micro-batches, chunks per rank, where stages are cut
 * ``recompute``  activation checkpointing
@@ -124,13 +124,17 @@ class LayoutOptions:
     pipeline_parallel: int = 1
     context_parallel: int = 1
     context_parallel_mode: str = "ring"
+    expert_parallel: int = 1
     sequence_parallel: bool = False
     tensor_parallel_plan: Any = field(default=None, compare=False)  # a TensorParallelPlan, a dict, or None
     dims: ParallelDims = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # the degrees first: every other rule assumes them valid
-        _set(self, dims=ParallelDims(dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel, cp=self.context_parallel))
+        _set(self, dims=ParallelDims(
+            dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel, cp=self.context_parallel,
+            ep=self.expert_parallel,
+        ))
         mode = _choice("context_parallel_mode", self.context_parallel_mode, CONTEXT_PARALLEL_MODES,
                        {"ulysses": "all_to_all", "a2a": "all_to_all", "p2p": "ring"})
         if not isinstance(self.sequence_parallel, bool):
@@ -314,7 +318,7 @@ class ParallelConfig:
         raise_refusals(
             world_refusals(
                 dp=layout.data_parallel, tp=layout.tensor_parallel, pp=layout.pipeline_parallel, cp=layout.context_parallel,
-                world_size=world_size, processes_per_node=processes_per_node,
+                world_size=world_size, processes_per_node=processes_per_node, ep=layout.expert_parallel,
             )
         )
         return self.dims.resolve(world_size)
@@ -336,7 +340,7 @@ class ParallelConfig:
         layout, pipeline, sharding = self.layout, self.pipeline, self.sharding
         return layout_refusals(
             tp=layout.tensor_parallel, pp=layout.pipeline_parallel, dp=layout.data_parallel, cp=layout.context_parallel,
-            context_parallel_mode=layout.context_parallel_mode, zero_stage=sharding.zero_stage,
+            context_parallel_mode=layout.context_parallel_mode, zero_stage=sharding.zero_stage, ep=layout.expert_parallel,
             sequence_parallel=layout.sequence_parallel, schedule=pipeline.schedule, virtual_stages=pipeline.virtual_stages,
             micro_batches=pipeline.micro_batches, offload_optimizer=sharding.offload_optimizer,
             offload_params=sharding.offload_params, model=model, tensor_parallel_plan=tensor_parallel_plan,
@@ -348,7 +352,7 @@ class ParallelConfig:
         return model_refusals(
             tp=layout.tensor_parallel, pp=layout.pipeline_parallel, virtual_stages=self.pipeline.virtual_stages,
             sequence_parallel=layout.sequence_parallel, model=model, tensor_parallel_plan=tensor_parallel_plan,
-            cp=layout.context_parallel, context_parallel_mode=layout.context_parallel_mode,
+            cp=layout.context_parallel, context_parallel_mode=layout.context_parallel_mode, ep=layout.expert_parallel,
         )
 
     def check_models(self, models: Iterable[tuple[str, ModelLike]], tensor_parallel_plan: bool = True) -> None:

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.core.param_meta import replica_mesh_of
+
 
 def current_compute_device() -> torch.device:
     """Where a rank that holds no tensors of its own makes the ones it communicates: the current GPU
@@ -39,13 +41,21 @@ def broadcast_tensors(tensors: Iterable[Tensor], group: dist.ProcessGroup, src: 
 def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup, src: int, device: Optional[torch.device] = None) -> None:
     """Make every replica in ``group`` start from ``src``'s parameters and buffers.
 
-    DTensors (already sharded by ZeRO-3) are skipped: each rank rightly holds a different shard.
+    DTensors (already sharded by ZeRO-3) are skipped: each rank rightly holds a different shard. A
+    tensor that only some replicas hold (an expert slice: ``replica_mesh``) comes from the first rank
+    of its own replicas instead.
     """
-    if dist.get_world_size(group) == 1:
-        return
     tensors = [t for t in [*module.parameters(), *module.buffers()] if not hasattr(t, "device_mesh")]
     unique = list({id(t): t for t in tensors}.values())
-    broadcast_tensors(unique, group, src, device)
+    if dist.get_world_size(group) > 1:
+        broadcast_tensors([t for t in unique if replica_mesh_of(t) is None], group, src, device)
+    partial: dict[int, tuple[dist.ProcessGroup, list[Tensor]]] = {}
+    for t in unique:
+        mesh = replica_mesh_of(t)
+        if mesh is not None and mesh.size() > 1:
+            partial.setdefault(id(mesh), (mesh.get_group(), []))[1].append(t)
+    for owners, members in partial.values():  # (in parameter order: the same on every rank)
+        broadcast_tensors(members, owners, dist.get_global_rank(owners, 0), device)
 
 
 def _local(t: Tensor) -> Tensor:

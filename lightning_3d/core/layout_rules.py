@@ -197,21 +197,35 @@ def tensor_parallel_refusals(tp: int, model: ModelLike) -> list[Refusal]:
     return out
 
 
-def expert_refusals(*, tp: int, pp: int, cp: int, model: Any) -> list[Refusal]:
-    """Mixture-of-experts layers run under data parallelism and ZeRO (which replicate or shard the
-    experts like any parameter); tensor, pipeline and context parallelism do not know them yet: the
-    experts would be split or their auxiliary losses lost without a word."""
+def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1) -> list[Refusal]:
+    """Mixture-of-experts layers run under data and expert parallelism and ZeRO; tensor, pipeline and
+    context parallelism do not know them yet: the experts would be split or their auxiliary losses
+    lost without a word. Expert parallelism splits the routed experts, so it needs some, in a number
+    it divides."""
     experts = getattr(model, "n_experts", 0)
+    out = []
+    if ep > 1 and not experts:
+        out.append(Refusal(
+            "expert_parallel_needs_experts",
+            f"expert_parallel={ep} splits the experts of mixture-of-experts layers, but the model has none (a dense "
+            f"model); use expert_parallel=1, or give the model experts (e.g. GPTConfig(n_experts=...)).",
+        ))
+    elif ep > 1 and experts % ep:
+        out.append(Refusal(
+            "expert_parallel_divides_experts",
+            f"expert_parallel={ep} must divide the model's {experts} routed experts (n_experts={experts}) so that each "
+            f"rank holds whole experts; choose one of {_divisors(experts)}.",
+        ))
     degrees = [f"{name}={n}" for name, n in (("tensor_parallel", tp), ("pipeline_parallel", pp), ("context_parallel", cp)) if n > 1]
-    if not experts or not degrees:
-        return []
-    return [Refusal(
-        "experts_need_data_parallel",
-        f"the model has mixture-of-experts layers (n_experts={experts}), which this version trains under data "
-        f"parallelism and ZeRO 0-3 only, not at {', '.join(degrees)}; use data_parallel alone (expert parallelism "
-        f"and MoE under tensor, pipeline and context parallelism are not implemented yet).",
-        unsupported=True,
-    )]
+    if experts and degrees:
+        out.append(Refusal(
+            "experts_need_data_parallel",
+            f"the model has mixture-of-experts layers (n_experts={experts}), which this version trains under data "
+            f"and expert parallelism and ZeRO 0-3 only, not at {', '.join(degrees)}; use data_parallel (with "
+            f"expert_parallel) alone (MoE under tensor, pipeline and context parallelism is not implemented yet).",
+            unsupported=True,
+        ))
+    return out
 
 
 def pipeline_refusals(pp: int, virtual_stages: int, model: ModelLike) -> list[Refusal]:
@@ -276,24 +290,26 @@ def context_parallel_refusals(
 
 def model_refusals(
     *, tp: int, pp: int, virtual_stages: int = 1, sequence_parallel: bool = False, model: ModelLike,
-    tensor_parallel_plan: bool = True, cp: int = 1, context_parallel_mode: str = "ring",
+    tensor_parallel_plan: bool = True, cp: int = 1, context_parallel_mode: str = "ring", ep: int = 1,
 ) -> list[Refusal]:
     """What the model's shape refuses. ``tensor_parallel_plan=False``: the user brings their own
     plan, so the built-in plans' divisibility does not apply."""
     out = tensor_parallel_refusals(tp, model) if tensor_parallel_plan else []
-    out += expert_refusals(tp=tp, pp=pp, cp=cp, model=model)
+    out += expert_refusals(tp=tp, pp=pp, cp=cp, model=model, ep=ep)
     out += context_parallel_refusals(cp, context_parallel_mode, tp, sequence_parallel, model)
     return out + pipeline_refusals(pp, virtual_stages, model) + sequence_parallel_refusals(tp, sequence_parallel, model)
 
 
 # -- the world and the batch ------------------------------------------------------------------------------
 def world_refusals(
-    *, dp: Union[int, str, None], tp: int, pp: int, world_size: int, processes_per_node: Optional[int] = None, cp: int = 1
+    *, dp: Union[int, str, None], tp: int, pp: int, world_size: int, processes_per_node: Optional[int] = None, cp: int = 1,
+    ep: int = 1,
 ) -> list[Refusal]:
-    """The degrees must multiply to the world (``dp="auto"``: divide it), and tensor-parallel groups
-    must stay inside a node (``processes_per_node``; None skips that rule)."""
+    """The degrees must multiply to the world (``dp="auto"``: divide it), expert parallelism must
+    divide the dp x cp replicas it is taken from, and tensor-parallel groups must stay inside a node
+    (``processes_per_node``; None skips that rule)."""
     try:
-        dims = ParallelDims(dp="auto" if dp is None else dp, tp=tp, pp=pp, cp=cp).resolve(world_size)
+        dims = ParallelDims(dp="auto" if dp is None else dp, tp=tp, pp=pp, cp=cp, ep=ep).resolve(world_size)
     except ValueError as err:
         return [Refusal("world_size", str(err))]
     if processes_per_node is None:
@@ -325,6 +341,7 @@ def layout_refusals(
     dp: Union[int, str, None] = None,
     cp: int = 1,
     context_parallel_mode: str = "ring",
+    ep: int = 1,
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
@@ -348,10 +365,10 @@ def layout_refusals(
     if model is not None:
         out += model_refusals(
             tp=tp, pp=pp, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, model=model,
-            tensor_parallel_plan=tensor_parallel_plan, cp=cp, context_parallel_mode=context_parallel_mode,
+            tensor_parallel_plan=tensor_parallel_plan, cp=cp, context_parallel_mode=context_parallel_mode, ep=ep,
         )
     if world_size is not None:
-        out += world_refusals(dp=dp, tp=tp, pp=pp, cp=cp, world_size=world_size, processes_per_node=processes_per_node)
+        out += world_refusals(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, world_size=world_size, processes_per_node=processes_per_node)
     out += batch_refusals(pp=pp, micro_batches=micro_batches, per_replica_batch=per_replica_batch)
     return out
 

@@ -2,8 +2,9 @@
 
 A parameter of a parallelized model may carry: its tensor-parallel spec (how it relates to the
 dense tensor), the gradient hook that sums a sequence-parallel replica's gradient over tp, the tp
-group whose partial gradients ZeRO-3 sums instead (FSDP2 dropped the hook), and whether it is a
-pipeline stage's copy of a weight another stage owns (a tied embedding: counted once). The record is
+group whose partial gradients ZeRO-3 sums instead (FSDP2 dropped the hook), whether it is a
+pipeline stage's copy of a weight another stage owns (a tied embedding: counted once), and the
+ranks that hold copies of it when not every weight replica does (experts under expert parallelism). The record is
 immutable and replaced on every change, so two parameters that ever share one (a copied ``__dict__``)
 can never change each other. Written during set-up only (``parallelize`` and the transforms it
 applies); read everywhere else through :func:`meta_of`.
@@ -25,6 +26,9 @@ class ParameterMeta:
     sequence_parallel_hook: Any = None  # the SumOverGroup gradient hook on it
     partial_gradient_group: Any = None  # ZeRO-3: the tp group its partial gradient is summed over at the step
     pipeline_duplicate: bool = False  # a later stage's copy of a tied weight the first stage owns
+    # a 1-D DeviceMesh of the ranks holding copies of it when they are fewer than the dp x cp replicas
+    # (an expert slice: its expert replicas); None: every weight replica holds it
+    replica_mesh: Any = None
 
 
 EMPTY = ParameterMeta()
@@ -44,3 +48,8 @@ def set_meta(param: Tensor, meta: ParameterMeta) -> None:
 
 def is_pipeline_duplicate(param: Tensor) -> bool:
     return meta_of(param).pipeline_duplicate
+
+
+def replica_mesh_of(param: Tensor) -> Any:
+    """The mesh of the ranks holding copies of ``param`` when fewer than every weight replica, else None."""
+    return meta_of(param).replica_mesh

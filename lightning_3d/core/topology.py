@@ -11,6 +11,10 @@ Context-parallel ranks hold the same weights and different tokens of the same se
 every group that reduces gradients or shards ZeRO state spans dp x cp: that is
 :attr:`Topology.dp_group` (the "weight replicas"); only the sampler splits samples over dp alone.
 
+Expert parallelism (``ep``) takes no ranks of its own: it splits the ``R = dp x cp`` weight replicas
+into groups of ``ep`` adjacent ones (replica index ``r = edp_rank * ep + ep_rank``), each group holding
+every expert once; the ``R / ep`` ranks that hold the same experts are the *expert replicas*.
+
 :class:`ParallelDims` is pure arithmetic (no processes needed, so layouts of 1024 ranks are
 testable); :class:`Topology` binds it to a live ``torch.distributed`` world through a
 ``DeviceMesh`` whose dims are named ``("pp", "dp", "cp", "tp")``, with ``dp`` and ``cp``
@@ -30,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
 REPLICA_DIM = "dp_cp"  # dp and cp flattened: every rank holding the same weights
+EXPERT_DIMS: tuple[str, str] = ("edp", "ep")  # the replicas unflattened: expert replicas x expert group
 
 Degree = Union[int, Literal["auto"]]
 
@@ -59,12 +64,14 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel: taken from the dp x cp replicas, so not a factor of the world
 
     def __post_init__(self) -> None:
         _check_degree("data_parallel", self.dp, allow_auto=True)
         _check_degree("tensor_parallel", self.tp, allow_auto=False)
         _check_degree("pipeline_parallel", self.pp, allow_auto=False)
         _check_degree("context_parallel", self.cp, allow_auto=False)
+        _check_degree("expert_parallel", self.ep, allow_auto=False)
 
     def _model_parallel_text(self) -> str:
         cp = f" x context_parallel={self.cp}" if self.cp > 1 else ""
@@ -82,14 +89,23 @@ class ParallelDims:
                     f"the world size {world_size}; choose degrees whose product divides the number of processes "
                     f"(devices x num_nodes)."
                 )
-            return ParallelDims(dp=world_size // model_parallel, tp=self.tp, pp=self.pp, cp=self.cp)
-        if self.dp * model_parallel != world_size:
+            resolved = ParallelDims(dp=world_size // model_parallel, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+        elif self.dp * model_parallel != world_size:
             raise ValueError(
                 f"data_parallel={self.dp} x {self._model_parallel_text()} = "
                 f"{self.dp * model_parallel}, but the world size is {world_size} (devices x num_nodes). "
                 f'Make the product equal the world size, or set data_parallel="auto".'
             )
-        return self
+        else:
+            resolved = self
+        replicas = int(resolved.dp) * resolved.cp
+        if replicas % resolved.ep:
+            cp = f" x context_parallel={resolved.cp}" if resolved.cp > 1 else ""
+            raise ValueError(
+                f"expert_parallel={resolved.ep} splits the experts over ranks taken from data_parallel={resolved.dp}{cp} "
+                f"= {replicas} weight replicas, which it does not divide; choose an expert_parallel that divides {replicas}."
+            )
+        return resolved
 
     @property
     def world_size(self) -> int:
@@ -136,7 +152,8 @@ class ParallelDims:
 
     def __str__(self) -> str:
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
-        return f"dp={self.dp}{cp} x tp={self.tp} x pp={self.pp}"
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        return f"dp={self.dp}{cp} x tp={self.tp} x pp={self.pp}{ep}"
 
 
 class Topology:
@@ -152,6 +169,10 @@ class Topology:
         self.replica_mesh = mesh["dp", "cp"]._flatten(REPLICA_DIM)  # kept: slicing a flattened dim is deprecated
         self.rank = dist.get_rank()
         self.coords = dims.coordinates(self.rank)
+        # the replicas as (expert replicas, expert group): built only under expert parallelism
+        self.expert_layout: Optional[DeviceMesh] = None
+        if dims.ep > 1:
+            self.expert_layout = self.replica_mesh._unflatten(0, (self.dp_size // dims.ep, dims.ep), EXPERT_DIMS)
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str = "cpu") -> "Topology":
@@ -196,6 +217,27 @@ class Topology:
     def dp_rank(self) -> int:
         """Rank in :attr:`dp_group` (dp-major, as the flattened mesh orders it)."""
         return self.coords.dp * self.dims.cp + self.coords.cp
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """Rank in :attr:`expert_group` (0 without expert parallelism)."""
+        return self.dp_rank % self.dims.ep
+
+    @property
+    def expert_group(self) -> Optional[dist.ProcessGroup]:
+        """The ``ep`` adjacent weight replicas that hold every expert once between them (routed rows
+        travel inside it); None without expert parallelism."""
+        return self.expert_layout.get_group("ep") if self.expert_layout is not None else None
+
+    @property
+    def expert_replica_mesh(self) -> Optional[DeviceMesh]:
+        """The 1-D mesh of the ``dp x cp / ep`` ranks holding the same experts: experts' gradients
+        are reduced and their ZeRO state sharded over it; None without expert parallelism."""
+        return self.expert_layout["edp"] if self.expert_layout is not None else None
 
     @property
     def cp_size(self) -> int:

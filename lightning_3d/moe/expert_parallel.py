@@ -14,8 +14,13 @@ torchtitan read them the same way). The read is blocking (``.tolist()`` waits fo
 
 Gradients: an expert's weight gradient here sums the rows of every rank of the group (they all
 route to it), where a dense weight's gradient on one replica sums only that replica's rows and the
-replicas' gradients are then averaged. So the experts' gradients are the group's sum; the strategy's
-reduction divides them by ``ep`` like the dense ones' mean (issue 34's next step wires that).
+replicas' gradients are then averaged. So every reducer (ZeRO 0-3) sums a parameter's gradient over
+the ranks that hold it -- all ``R = dp x cp`` replicas for a dense weight, the ``R / ep`` expert
+replicas for an expert slice -- and divides by ``R``: the mean over replicas for both.
+
+Each expert slice records how it relates to the stacked tensor (a :class:`TPSpec` over the expert
+group, dim 0) and its expert replicas (``replica_mesh``), so checkpoints store the dense stack and
+load it back at any ``ep``, and the gradient reducers, norms and replica broadcasts find its copies.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.core.param_meta import update_meta
 from lightning_3d.moe.experts import GroupedExperts
+from lightning_3d.tensor_parallel.spec import TPSpec
 
 
 class _AllToAll(torch.autograd.Function):
@@ -80,26 +87,31 @@ def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, g
     return _AllToAll.apply(back, receive, send, group)
 
 
-def shard_experts(experts: GroupedExperts, group: Any) -> None:
-    """Keep this rank's ``E / ep`` experts of ``experts`` (in place; contiguous blocks by rank)."""
+def shard_experts(experts: GroupedExperts, group: Any, replica_mesh: Any = None) -> None:
+    """Keep this rank's ``E / ep`` experts of ``experts`` (in place; contiguous blocks by rank).
+    ``replica_mesh``: the ranks that hold the same slice (recorded on the parameters)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     if experts.n_experts % ep:
         raise ValueError(f"expert_parallel={ep} must divide n_experts={experts.n_experts}.")
     local = experts.n_experts // ep
     for name in ("gate_proj", "up_proj", "down_proj"):
         full = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone()))
+        piece = nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=full.requires_grad)
+        update_meta(piece, tp_spec=TPSpec(dim=0, world=ep, rank=rank, full_shape=tuple(full.shape), group=group), replica_mesh=replica_mesh)
+        setattr(experts, name, piece)
     experts.n_experts = local
 
 
-def apply_expert_parallel(module: nn.Module, group: Any) -> None:
+def apply_expert_parallel(module: nn.Module, group: Any, replica_mesh: Any = None) -> int:
     """Expert parallelism over ``group`` for every MoE layer in ``module``: each keeps its
     ``E / ep`` experts and sends routed rows to their owners (ranks of ``group`` hold their own
-    tokens, as data-parallel ranks do)."""
+    tokens, as data-parallel ranks do). Returns how many layers are expert-parallel now."""
+    count = 0
     for layer in module.modules():
         experts = getattr(layer, "experts", None)
         if isinstance(experts, GroupedExperts) and hasattr(layer, "expert_group"):
-            if layer.expert_group is not None:
-                continue  # already applied (a second set-up)
-            shard_experts(experts, group)
-            layer.expert_group = group
+            if layer.expert_group is None:  # (else applied by an earlier set-up)
+                shard_experts(experts, group, replica_mesh)
+                layer.expert_group = group
+            count += 1
+    return count

@@ -11,7 +11,9 @@ The order is fixed and matters (DESIGN.md, "One training step"):
    micro-batches), then the context-parallel input split around it all (outermost);
 7. precision dtype;
 8. materialize (the seam for meta-device models), device placement and replica sync;
-9. ZeRO (stage 0's reducer, stages 1-2's flat buffers, stage 3's ``fully_shard``).
+9. expert parallelism (each rank keeps its experts: after the sync, so every slice is cut from
+   the same whole model, and before ZeRO, which shards the slices over their expert replicas);
+10. ZeRO (stage 0's reducer, stages 1-2's flat buffers, stage 3's ``fully_shard``).
 
 Each step is a small function, usable alone (tests, benchmarks). The strategy calls
 :func:`parallelize` from its ``setup`` and keeps only Lightning's wiring around it.
@@ -35,6 +37,7 @@ from lightning_3d.core.config import ParallelConfig
 from lightning_3d.core.distributed import broadcast_module_state
 from lightning_3d.core.topology import Topology
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
+from lightning_3d.moe.expert_parallel import apply_expert_parallel
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
@@ -115,6 +118,7 @@ def parallelize(
         if zero is not None:
             zero.module_moved(module)  # FSDP2 re-creates its parameters when moved
         synchronize_replicas(module, topology, pipelines, device)
+    apply_expert_parallelism(module, topology)
     if zero is None:
         zero = ZeroCoordinator(
             config.sharding.zero_stage,
@@ -173,6 +177,21 @@ def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
             )
         adapter.context_parallel(model, cp)
     return len(found)
+
+
+def apply_expert_parallelism(root: nn.Module, topology: Topology) -> int:
+    """Split the experts of every ``lightning_3d.moe`` layer in ``root`` over the expert group (a no-op
+    at expert_parallel=1); returns how many layers are expert-parallel."""
+    if topology.ep_size == 1:
+        return 0
+    found = apply_expert_parallel(root, topology.expert_group, topology.expert_replica_mesh)
+    if not found:
+        raise NotImplementedError(
+            f"expert_parallel={topology.ep_size} found no lightning_3d.moe.MoE layer in {type(root).__name__}: expert "
+            f"parallelism splits the grouped experts of lightning_3d's MoE layers (the reference GPT with n_experts); "
+            f"other MoE implementations (Hugging Face MoE families) are not split yet. Use expert_parallel=1."
+        )
+    return found
 
 
 def _materialize(module: nn.Module, config: ParallelConfig, device: torch.device) -> bool:

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_3d.core.distributed import current_compute_device
-from lightning_3d.core.param_meta import is_pipeline_duplicate
+from lightning_3d.core.param_meta import is_pipeline_duplicate, replica_mesh_of
 from lightning_3d.core.topology import Topology
 from lightning_3d.tensor_parallel.spec import get_spec, sum_partial_gradients
 
@@ -73,6 +73,7 @@ def global_grad_norm(
     # once per parameter (offloaded gradients live on the host)
     partial: dict[tuple[bool, torch.device], Tensor] = {}
     for p in unique:
+        owners = replica_mesh_of(p)
         spec = get_spec(p)
         if tp_rank != 0 and not (spec is not None and spec.is_sharded):
             continue  # identical on every tp rank: counted by tp rank 0
@@ -80,7 +81,11 @@ def global_grad_norm(
             continue  # a tied weight's copy on the last pipeline stage: counted on the first
         g = _local(p.grad).detach().float()
         value = g.abs().max() if norm_type == float("inf") else g.pow(2).sum()
-        key = (_is_dp_sharded(p.grad), value.device)
+        sharded = _is_dp_sharded(p.grad)
+        if owners is not None and not sharded:  # an expert slice, whole on each of its expert replicas: the
+            sharded = True  # dp sum counts it once per replica, so each adds its share (inf: a max is a max)
+            value = value if norm_type == float("inf") else value / owners.size()
+        key = (sharded, value.device)
         partial[key] = value if key not in partial else combine(partial[key], value)
     dp_sharded = torch.zeros((), device=device)
     replicated = torch.zeros((), device=device)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_3d.core import rank_zero
 from lightning_3d.core.config import parse_replica_check_every
+from lightning_3d.core.param_meta import replica_mesh_of
 from lightning_3d.tensor_parallel.spec import get_spec
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,13 @@ def replica_groups(module: nn.Module, topology: Any, zero_stage: int, pipelines:
     if tied:
         by_id = {id(p): n for n, p in named}
         groups.append(_Group("tied embedding", topology.embedding_group(), [by_id.get(id(p), "?") for p in tied], tied))
-    if topology.dp_size > 1 and zero_stage < 3 and named:  # (a stage without parameters: its replicas have none either)
-        groups.append(_Group("data parallel", topology.dp_group, [n for n, _ in named], [p for _, p in named]))
+    whole = [(n, p) for n, p in named if replica_mesh_of(p) is None]
+    if topology.dp_size > 1 and zero_stage < 3 and whole:  # (a stage without parameters: its replicas have none either)
+        groups.append(_Group("data parallel", topology.dp_group, [n for n, _ in whole], [p for _, p in whole]))
+    experts = [(n, p) for n, p in named if replica_mesh_of(p) is not None]  # each slice against its expert replicas
+    mesh = replica_mesh_of(experts[0][1]) if experts else None
+    if mesh is not None and mesh.size() > 1 and zero_stage < 3:
+        groups.append(_Group("expert data parallel", mesh.get_group(), [n for n, _ in experts], [p for _, p in experts]))
     return groups
 
 

@@ -1,7 +1,7 @@
 """``ThreeDParallelStrategy``: the Lightning glue around topology, gradient sync and friends.
 
-This module only connects Lightning's hooks to the pieces that do the work; it holds no
-parallel algorithm itself. Registered as ``"3d"`` when :mod:`lightning_3d` is imported.
+This module only connects Lightning's hooks to the pieces that do the work; it holds no parallel
+algorithm itself. Registered as ``"3d"`` when Lightning is imported (``plugins/registration.py``).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
             they hold the same weights, so gradients and ZeRO state span data x context parallel.
         context_parallel_mode: ``"ring"`` (K/V blocks passed around the cp ring, overlapped with attention)
             or ``"all_to_all"`` (DeepSpeed-Ulysses: heads sharded over cp for the attention).
+        expert_parallel: ranks that split MoE layers' experts, taken from data x context parallel (docs/moe.md).
         zero_stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
         sequence_parallel: shard layer norms/dropout activations along the sequence (needs tp > 1).
         pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_v"`` or
@@ -121,6 +122,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         pipeline_parallel: int = 1,
         context_parallel: int = 1,
         context_parallel_mode: str = "ring",
+        expert_parallel: int = 1,
         zero_stage: int = 0,
         sequence_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
@@ -150,11 +152,8 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
     ) -> None:
         keywords = {name: value for name, value in locals().items() if name in KEYWORDS}  # every keyword above but Lightning's
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
-            precision_plugin=precision_plugin,
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin,
         )
         self.config = ParallelConfig(**keywords)  # validated there, before any process starts
         self.config.require_implemented()

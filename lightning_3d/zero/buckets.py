@@ -28,10 +28,18 @@ import torch.distributed as dist
 from torch.nn import Parameter
 
 from lightning_3d.core.config import DEFAULT_BUCKET_MB
+from lightning_3d.core.param_meta import replica_mesh_of
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)
 
 B = TypeVar("B")
+
+
+def bucket_owners(params: list[Parameter], replicas: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group a bucket reduces over: the ranks holding its parameters (one kind per bucket:
+    :func:`assign_buckets`), i.e. ``replicas`` (every weight replica) unless they are expert slices."""
+    mesh = replica_mesh_of(params[0])
+    return replicas if mesh is None else mesh.get_group()
 
 
 def unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:
@@ -43,11 +51,12 @@ def unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:
 
 
 def assign_buckets(params: list[Parameter], bucket_bytes: int) -> list[list[Parameter]]:
-    """Split parameters (already in gradient-ready order) into buckets per (device, dtype)."""
+    """Split parameters (already in gradient-ready order) into buckets per (device, dtype, the ranks
+    holding them: every weight replica, or an expert slice's expert replicas)."""
     buckets: list[list[Parameter]] = []
-    open_bucket: dict[tuple[torch.device, torch.dtype], tuple[list[Parameter], int]] = {}
+    open_bucket: dict[tuple[Any, ...], tuple[list[Parameter], int]] = {}
     for p in params:
-        key = (p.device, p.dtype)
+        key = (p.device, p.dtype, id(replica_mesh_of(p)))
         members, size = open_bucket.get(key, ([], 0))
         if members and size + p.numel() * p.element_size() > bucket_bytes:
             buckets.append(members)

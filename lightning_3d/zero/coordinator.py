@@ -86,7 +86,7 @@ class ZeroCoordinator:
             opt.close()
         self.remove()
         for opt in optimizers:  # before step 1: refuse optimizers that would see pieces of parameters
-            check_optimizer_layout(opt, self.stage, self.topology.dims.tp)
+            check_optimizer_layout(opt, self.stage, self.topology.dims.tp, self.topology.dims.ep)
         if self.stage == 3:
             return optimizers
         if self.stage == 0 and not self.mixed:

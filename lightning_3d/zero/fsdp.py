@@ -7,7 +7,10 @@ tensor-parallel parameters are ordinary tensors holding this rank's slice: FSDP2
 that slice further over the dp ranks that share it.
 
 Units: every child of every ``nn.ModuleList`` (the transformer blocks) becomes one FSDP unit,
-then each top-level child of the LightningModule that owns parameters (the model itself).
+then each top-level child of the LightningModule that owns parameters (the model itself). A module
+whose own parameters are expert slices (expert parallelism) is a unit first, sharded over their
+expert replicas instead, with its gradients divided by the number of weight replicas as every
+unit's are (an expert slice's gradient already sums its expert group's rows).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_3d.core.param_meta import EMPTY, meta_of, set_meta
+from lightning_3d.core.param_meta import EMPTY, meta_of, replica_mesh_of, set_meta
 from lightning_3d.testing.strict_comm import mark_host
 
 
@@ -35,6 +38,20 @@ def fsdp_units(root: nn.Module) -> list[nn.Module]:
             units.extend(child for child in module if any(True for _ in child.parameters()))
     units.extend(child for child in root.children() if any(True for _ in child.parameters()))
     return units
+
+
+def partial_replica_units(root: nn.Module) -> list[tuple[nn.Module, DeviceMesh]]:
+    """Modules whose own parameters only some weight replicas hold (expert slices), with their mesh."""
+    out = []
+    for module in root.modules():
+        meshes = {id(m): m for p in module.parameters(recurse=False) if (m := replica_mesh_of(p)) is not None}
+        if len(meshes) > 1:
+            raise ValueError(f"{type(module).__name__} holds parameters of several expert-replica meshes; one unit cannot shard them.")
+        if meshes and len(meshes) == 1:
+            if any(replica_mesh_of(p) is None for p in module.parameters(recurse=False)):
+                raise ValueError(f"{type(module).__name__} mixes expert slices with whole parameters; ZeRO-3 shards each over other ranks.")
+            out.append((module, next(iter(meshes.values()))))
+    return out
 
 
 def apply_zero3(
@@ -58,6 +75,10 @@ def apply_zero3(
         extra["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     top: list[FSDPModule] = []
     top_level = set(map(id, root.children()))
+    for unit, mesh in partial_replica_units(root):  # inner units first (FSDP2 shards children before parents)
+        sharded = fully_shard(unit, mesh=mesh, mp_policy=policy, **extra)
+        sharded.set_gradient_divide_factor(float(dp_mesh.size()))  # sum over the expert replicas / R
+        sharded.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
     for unit in fsdp_units(root):
         sharded = fully_shard(unit, mesh=dp_mesh, mp_policy=policy, **extra)
         if id(unit) in top_level:

@@ -11,6 +11,9 @@ Semantics match one process exactly:
   gradient on some ranks is averaged with zeros from the others.
 * Averaging the whole accumulated ``param.grad`` is linear, so gradients already averaged by an
   earlier backward in the same step (several optimizers, GANs) stay correct.
+* A bucket of expert slices is summed over the ranks that hold them (their expert replicas) and
+  divided by the number of weight replicas like every bucket: an expert's local gradient already
+  sums the rows of its whole expert group (``lightning_3d/moe/expert_parallel.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, unique_trainable
+from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 
 
 @dataclass
@@ -34,6 +37,7 @@ class _Bucket:
     numel: int
     buffer: Tensor  # numel gradient slots followed by one presence flag per parameter
     present: list[bool] = field(default_factory=list)
+    owners: Optional[dist.ProcessGroup] = None  # the ranks holding these parameters (None: one rank)
 
     def grad_view(self, i: int) -> Tensor:
         p = self.params[i]
@@ -53,7 +57,9 @@ class GradientReducer(BucketedBackward[_Bucket]):
                 offsets.append(total)
                 total += p.numel()
             buffer = torch.zeros(total + len(members), dtype=members[0].dtype, device=members[0].device)
-            buckets.append(_Bucket(members, offsets, total, buffer, [False] * len(members)))
+            owners = bucket_owners(members, group)
+            bucket = _Bucket(members, offsets, total, buffer, [False] * len(members), owners if dist.get_world_size(owners) > 1 else None)
+            buckets.append(bucket)
         self._register(buckets)
 
     @property
@@ -78,8 +84,10 @@ class GradientReducer(BucketedBackward[_Bucket]):
                     view.zero_()
             flags.append(1.0 if (bucket.present[i] or p.grad is not None) else 0.0)
         bucket.buffer[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
-        bucket.buffer[: bucket.numel].mul_(1.0 / self.world)
-        return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.buffer[: bucket.numel].mul_(1.0 / self.world)  # the weight replicas, whoever holds the bucket
+        if bucket.owners is None:
+            return None  # an expert slice held by one rank: nothing to sum, only the division
+        return dist.all_reduce(bucket.buffer, group=bucket.owners, async_op=True)
 
     def _complete(self, bucket: _Bucket) -> None:
         flags = bucket.buffer[bucket.numel :].tolist()

@@ -43,7 +43,7 @@ def is_elementwise(optimizer: Any) -> bool:
     return type(optimizer) in ELEMENTWISE
 
 
-def check_optimizer_layout(optimizer: Any, zero_stage: int, tensor_parallel: int) -> None:
+def check_optimizer_layout(optimizer: Any, zero_stage: int, tensor_parallel: int, expert_parallel: int = 1) -> None:
     """Refuse a non-element-wise optimizer where it would see pieces of parameters."""
     if is_elementwise(optimizer):
         return
@@ -54,12 +54,14 @@ def check_optimizer_layout(optimizer: Any, zero_stage: int, tensor_parallel: int
         where.append("zero_stage=3 shards every parameter over the data-parallel ranks")
     if tensor_parallel > 1:
         where.append(f"tensor_parallel={tensor_parallel} gives each rank a slice of every sharded matrix")
+    if expert_parallel > 1:
+        where.append(f"expert_parallel={expert_parallel} gives each rank a slice of every stack of experts")
     if not where:
         return
     name = type(optimizer).__name__
     raise ValueError(
         f"{name} is not an element-wise optimizer (it needs whole parameters), but {' and '.join(where)}: it would "
-        f"compute a different update than on one process. Use zero_stage=0 with tensor_parallel=1 for {name} "
+        f"compute a different update than on one process. Use zero_stage=0 with tensor_parallel=1 and expert_parallel=1 for {name} "
         f"(pipeline and data parallelism are fine; mixed precision keeps whole fp32 masters), or an element-wise "
         f"optimizer such as AdamW. If {name} is element-wise after all, set `elementwise = True` on it."
     )

@@ -32,6 +32,10 @@ state, and a segment whose parameter got no gradient on any data-parallel rank t
 ``grad=None``. Segments are views of the flat master slice, so offload and the collectives still
 move one flat buffer per bucket. Optimizers that need whole parameters are refused where a
 parameter can be cut (:mod:`lightning_3d.zero.optimizer_kinds`).
+
+Expert slices (expert parallelism) go into buckets of their own, split over the ranks that hold
+them -- their expert replicas -- instead of every data-parallel rank; their gradients are summed
+there and divided by the number of weight replicas like every other (``grad_reducer.py`` says why).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
 from lightning_3d.testing.strict_comm import mark_host
-from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, unique_trainable
+from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
 from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
 
@@ -105,6 +109,8 @@ class _Bucket:
     segments: list[_Segment] = field(default_factory=list)
     reduced: bool = False  # this bucket's slice holds a reduced gradient not yet consumed by a step
     counted: list[tuple[int, int]] = field(default_factory=list)  # slice ranges counted in norms here
+    owners: Optional[dist.ProcessGroup] = None  # the ranks holding these parameters (None: this one alone)
+    partial: bool = False  # held by fewer ranks than the data-parallel group (expert slices)
 
     def view(self, buf: Tensor, i: int) -> Tensor:
         p = self.params[i]
@@ -170,11 +176,14 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         else:
             send = bucket.grad_buf if bucket.grad_buf.dtype == REDUCE_DTYPE else bucket.grad_buf.to(REDUCE_DTYPE)
             bucket.send = send
-        send.mul_(1.0 / self.world)
+        send.mul_(1.0 / self.world)  # the weight replicas, whoever holds the bucket
+        if bucket.owners is None:  # held by this rank alone (an expert slice): nothing to sum
+            bucket.recv = send
+            return None
         if self.stage == 0:
-            return dist.all_reduce(send, group=self.group, async_op=True)
+            return dist.all_reduce(send, group=bucket.owners, async_op=True)
         bucket.recv = torch.empty(bucket.shard_size, dtype=REDUCE_DTYPE, device=send.device)
-        return _reduce_scatter(bucket.recv, send, self.group)
+        return _reduce_scatter(bucket.recv, send, bucket.owners)
 
     def _complete(self, bucket: _Bucket) -> None:
         reduced = bucket.send if self.stage == 0 else bucket.recv  # stage 0: the slice is the whole bucket
@@ -246,7 +255,6 @@ class ZeroOptimizer:
         self.compute_dtype, self.master_dtype, self.offload = compute_dtype, master_dtype, offload
         self.host = torch.device("cpu") if offload != "none" else None
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        shards = 1 if stage == 0 else self.dp_size
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         layout: list[tuple[int, list[Parameter]]] = []
         seen: set[int] = set()
@@ -256,16 +264,21 @@ class ZeroOptimizer:
             layout.extend((g_idx, members) for members in assign_buckets(params[::-1], bucket_bytes))
         self.store: Optional[NVMeStateStore] = None
         self.chunk_adam: Optional[ChunkAdam] = None
+        owners = [bucket_owners(members, dp_group) for _, members in layout]
+        shards = [1 if stage == 0 else dist.get_world_size(group) for group in owners]
         if offload == "nvme":  # the file exists before any master does: masters go straight to disk
             if not nvme_path:
                 raise ValueError("offload_optimizer='nvme' needs nvme_path=<a directory on a fast local disk>.")
-            sizes = [-(-sum(p.numel() for p in members) // shards) for _, members in layout]
+            sizes = [-(-sum(p.numel() for p in members) // n) for (_, members), n in zip(layout, shards)]
             self.store = NVMeStateStore(nvme_path, dist.get_rank(), sizes)
             self.chunk_adam = ChunkAdam(optimizer)
         self.buckets = [
-            self._build_bucket(slot, members, g_idx, shards, 0 if stage == 0 else self.dp_rank, tp_rank)
+            self._build_bucket(slot, members, g_idx, shards[slot], 0 if stage == 0 else dist.get_rank(owners[slot]), tp_rank)
             for slot, (g_idx, members) in enumerate(layout)
         ]
+        for bucket, group in zip(self.buckets, owners):
+            bucket.owners = group if dist.get_world_size(group) > 1 else None
+            bucket.partial = dist.get_world_size(group) < self.dp_size
         # NVMe keeps Adam's step count per segment here (the moments are in the file).
         self.nvme_steps: list[list[int]] = [[0] * len(b.segments) for b in self.buckets]
         self.grads = ShardedGradients(self.buckets, dp_group, stage, grad_device=self.host)
@@ -398,9 +411,9 @@ class ZeroOptimizer:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  (LR schedulers check it)
         handles = []
         for bucket in stepped:
-            if self.stage > 0:
+            if self.stage > 0 and bucket.owners is not None:
                 mine = bucket.slice_of(bucket.param_buf)
-                handles.append(dist.all_gather_into_tensor(bucket.param_buf, mine.clone(), group=self.dp_group, async_op=True))
+                handles.append(dist.all_gather_into_tensor(bucket.param_buf, mine.clone(), group=bucket.owners, async_op=True))
         for h in handles:
             h.wait()
         self.zero_grad()
@@ -503,11 +516,19 @@ class ZeroOptimizer:
         """Sum of squared gradient entries over the whole model (a collective over dp, tp and pp)."""
         device = self.buckets[0].param_buf.device if self.buckets else current_compute_device()
         total = torch.zeros((), dtype=torch.float32, device=device)
+        partial = torch.zeros((), dtype=torch.float32, device=device)  # stage 0: expert slices, held by fewer ranks
         for bucket, grad in self._grad_slices():
             for lo, hi in bucket.counted:
-                total += grad[lo:hi].float().pow(2).sum().to(device)
-        if self.stage > 0:
+                squares = grad[lo:hi].float().pow(2).sum().to(device)
+                if self.stage == 0 and bucket.partial:
+                    partial += squares / (dist.get_world_size(bucket.owners) if bucket.owners is not None else 1)
+                else:
+                    total += squares
+        if self.stage > 0:  # every rank's slices are distinct (dense and expert buckets alike)
             dist.all_reduce(total, group=self.dp_group)
+        elif any(b.partial for b in self.buckets):  # each expert slice summed once over its expert group
+            dist.all_reduce(partial, group=self.dp_group)
+            total += partial
         for group in (self.tp_group, self.pp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(total, group=group)
@@ -528,9 +549,9 @@ class ZeroOptimizer:
 
     def _full_bucket(self, bucket: _Bucket, local: Tensor) -> Tensor:
         """All-gather a per-rank slice tensor back to the whole bucket (stage 0: already whole)."""
-        if self.stage == 0:
+        if self.stage == 0 or bucket.owners is None:
             return local
-        return gather_along(local.to(bucket.param_buf.device).contiguous(), 0, self.dp_group)
+        return gather_along(local.to(bucket.param_buf.device).contiguous(), 0, bucket.owners)
 
     def _master_of(self, slot: int, bucket: _Bucket) -> Tensor:
         return self.store.read_all(slot, "master") if self.store is not None else bucket.master
