@@ -291,7 +291,8 @@ def test_torchrun_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
 def test_a_layout_saved_before_context_parallel_is_the_same_layout_at_cp1():
     from lightning_3d.checkpoint.manager import is_same_layout
 
-    now = {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "zero_stage": 1, "virtual_stages": 1}
-    assert is_same_layout({k: v for k, v in now.items() if k != "cp"}, now)  # random streams are restored
+    now = {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 1, "virtual_stages": 1}
+    assert is_same_layout({k: v for k, v in now.items() if k not in ("cp", "ep")}, now)  # random streams are restored
+    assert not is_same_layout({k: v for k, v in now.items() if k != "ep"}, {**now, "ep": 2})  # experts re-cut
     assert not is_same_layout({k: v for k, v in now.items() if k != "cp"}, {**now, "cp": 2, "dp": 1})
     assert not is_same_layout({**now, "dp": 4}, now)

@@ -227,7 +227,10 @@ def train(cfg: DictConfig, out_dir: Path) -> Optional[dict[str, Any]]:
         "val_loss": val_loss,
         "tokens_per_s": None if math.isnan(throughput.mean_tokens_per_s) else round(throughput.mean_tokens_per_s, 1),
         "world_size": trainer.world_size,
-        "layout": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "zero_stage": strategy.config.sharding.zero_stage},
+        "layout": {
+            "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, **({"ep": dims.ep} if dims.ep > 1 else {}),
+            "zero_stage": strategy.config.sharding.zero_stage,
+        },
         "flops_per_token": throughput.flops_per_token,  # model FLOPs (fwd + bwd, no recompute): the planner's count
         "tflops_per_device": None if throughput.tflops_per_device is None else round(throughput.tflops_per_device, 4),
         "mfu": None if throughput.mfu is None else round(throughput.mfu, 4),  # None on CPU: no peak to divide by

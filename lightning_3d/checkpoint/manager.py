@@ -99,8 +99,8 @@ def rank_meta(reader: ShardedCheckpoint, checkpoint: dict[str, Any], same_layout
 
 def is_same_layout(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     """Whether a checkpoint's layout is this job's (same ranks, same roles); a layout saved before
-    context parallelism existed has no ``"cp"``: it was 1."""
-    return {"cp": 1, **saved} == current
+    context (expert) parallelism existed has no ``"cp"`` (``"ep"``): it was 1."""
+    return {"cp": 1, "ep": 1, **saved} == current
 
 
 class ShardedCheckpointer:

@@ -76,7 +76,7 @@ class CheckpointHooks:
             topology=self._topology,
             zero=self._zero,
             layout={} if d is None else {
-                "dp": int(d.dp), "tp": d.tp, "pp": d.pp, "cp": d.cp, "zero_stage": self.config.sharding.zero_stage,
+                "dp": int(d.dp), "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "zero_stage": self.config.sharding.zero_stage,
                 "virtual_stages": self.config.pipeline.virtual_stages,
             },
             tied=tied,
