@@ -85,23 +85,43 @@ def test_expert_parallel_layer_matches_one_process(world, skew, shared):
 
 
 # -- through the strategy: ThreeDParallelStrategy(expert_parallel=E) on 4 ranks ---------------------------------
-def _sgd_moe_gpt() -> Any:
+def _sgd_moe_gpt(skew: tuple[float, ...] = ()) -> Any:
     """The MoE GPT of tests/test_moe.py under plain SGD: Adam's update hardly changes when a gradient
-    is scaled (the experts' by 1 / ep, say), SGD's changes in proportion, so the losses see it."""
+    is scaled (the experts' by 1 / ep, say), SGD's changes in proportion, so the losses see it.
+    ``skew``: added to the first router logits of every token (top-k = its length) of a frozen router,
+    so that those experts take every row; ``routed`` collects the experts any row went to."""
     from lightning_3d.models import GPTConfig, GPTModule
     from tests.helpers import TINY_GPT
     from tests.test_moe import MOE_GPT
 
     class SGDGPT(GPTModule):
+        routed: set[int] = set()
+
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    return SGDGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT}))
+        def configure_model(self) -> None:
+            super().configure_model()
+            for layer in self.modules():
+                if isinstance(layer, MoE) and not layer.router._forward_hooks:
+                    if skew:
+                        offset = torch.zeros(layer.router.n_experts)
+                        offset[: len(skew)] = torch.tensor(skew)
+                        layer.router.gate.register_forward_hook(lambda m, i, out, offset=offset: out + offset.to(out))
+                        layer.router.gate.weight.requires_grad_(False)  # (else the z-loss learns the skew away)
+                    layer.router.register_forward_hook(lambda m, i, out: self.routed.update(out.experts.unique().tolist()))
+
+    return SGDGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT, **({"top_k": len(skew)} if skew else {})}))
 
 
-def _ep_fit(root: str | None, steps: int, ckpt_path: str | None = None, **strategy: Any) -> dict[str, Any]:
-    """The SGD MoE GPT trained ``steps`` steps (``root``: save every 2 steps there): this rank's losses
-    and the whole trained model's weights (gathered from every slice and shard; kept on rank 0)."""
+def _ep_fit(
+    root: str | None, steps: int, ckpt_path: str | None = None, skew: tuple[float, ...] = (), callbacks: tuple[Any, ...] = (),
+    **strategy: Any,
+) -> dict[str, Any]:
+    """The SGD MoE GPT trained ``steps`` steps (``root``: save every 2 steps there): this rank's losses,
+    the whole trained model's weights (gathered from every slice and shard; kept on rank 0) and the
+    experts any token was routed to. ``skew``: added to the first router logits of every token
+    (top-k = its length), so that those experts take every row."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -110,19 +130,20 @@ def _ep_fit(root: str | None, steps: int, ckpt_path: str | None = None, **strate
 
     L.seed_everything(0)
     recorder = LossRecorder()
-    callbacks: list[Any] = [recorder]
+    callbacks = [recorder, *callbacks]
     if root is not None:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}"))
     trainer = quiet_trainer(
         max_steps=steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=root is not None,
         strategy=ThreeDParallelStrategy(**strategy), gradient_clip_val=1.0,
     )
-    model = _sgd_moe_gpt()
+    model = _sgd_moe_gpt(skew)
+    model.routed = set()
     trainer.fit(model, tiny_data(global_batch_size=8), ckpt_path=ckpt_path)
     from lightning_3d.checkpoint.dense_state import full_state_dict
 
     weights = {k: v.float().numpy() for k, v in full_state_dict(model).items()}  # (collective)
-    return {"losses": recorder.losses, "weights": weights if trainer.global_rank == 0 else None}
+    return {"losses": recorder.losses, "weights": weights if trainer.global_rank == 0 else None, "routed": sorted(model.routed)}
 
 
 def _refused(call: Any) -> str:
@@ -139,6 +160,7 @@ EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4
     "ep2_zero1": dict(expert_parallel=2, zero_stage=1),
     "ep2_zero3": dict(expert_parallel=2, zero_stage=3),
     "ep4_zero2": dict(expert_parallel=4, zero_stage=2),
+    "ep4_zero3": dict(expert_parallel=4, zero_stage=3),  # (one rank per expert slice: FSDP2 divides once)
 }
 
 
@@ -152,7 +174,26 @@ def _ep_world(root: str) -> dict[str, Any]:
         checks[f"resumed_ep{ep}"] = lambda ep=ep: _ep_fit(None, EP_STEPS, f"{saved}/step=2.ckpt", expert_parallel=ep)
     checks["ep3"] = lambda: _refused(lambda: _ep_fit(None, 1, expert_parallel=3))
     checks["dense"] = lambda: _refused(_dense_at_ep2)
+    checks["guard"] = _moved_expert_slice
     return run_checks(checks)
+
+
+def assert_same_weights(got: dict[str, Any], want: dict[str, Any], name: str, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    assert sorted(got) == sorted(want), name
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=rtol, atol=atol, err_msg=f"{name}: {key}")
+
+
+def _moved_expert_slice() -> str:
+    """Rank 2 moves its copy of an expert slice; rank 0 holds the same slice (its expert replica)."""
+    from lightning_3d.plugins.replica_guard import ReplicaDivergence
+    from tests.test_replica_guard import Perturb
+
+    try:
+        _ep_fit(None, 4, callbacks=(Perturb(2, 2, "model.blocks.1.mlp.experts.up_proj"),), expert_parallel=2, replica_check_every=1)
+    except ReplicaDivergence as err:
+        return str(err)
+    return "not found"
 
 
 def _dense_at_ep2() -> None:
@@ -177,10 +218,7 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
         return [sum(step) / 4 for step in zip(*(result_of(rank, name)["losses"] for rank in ranks))]
 
     def same_weights(name: str) -> None:  # SGD: a weight's update is lr x its gradient, so this checks every gradient
-        got = result_of(ranks[0], name)["weights"]
-        assert sorted(got) == sorted(single["weights"]), name
-        for key, want in single["weights"].items():
-            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-7, err_msg=f"{name}: {key}")
+        assert_same_weights(result_of(ranks[0], name)["weights"], single["weights"], name)
 
     for name in EP_LAYOUTS:
         np.testing.assert_allclose(mean(name), single["losses"], rtol=1e-5, err_msg=name)
@@ -191,5 +229,26 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
         same_weights(f"resumed_ep{ep}")
     ep3 = result_of(ranks[0], "ep3")
     assert "expert_parallel=3 splits the experts over ranks taken from data_parallel=4" in ep3 and "does not divide" in ep3, ep3
+    guard = [result_of(rank, "guard") for rank in ranks]
+    assert all("diverged" in m and "at step 3" in m for m in guard), guard  # every rank stops together
+    assert "expert data parallel copies of" in guard[0] and "model.blocks.1.mlp.experts.up_proj" in guard[0], guard[0]
     dense = result_of(ranks[0], "dense")
     assert "expert_parallel=2 splits the experts of mixture-of-experts layers, but the model has none" in dense, dense
+
+
+SKEWS = {"one_expert_takes_every_token": (30.0,), "rank_1_receives_nothing": (30.0, 25.0)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skew", list(SKEWS), ids=list(SKEWS))
+def test_skewed_routing_trains_200_steps_at_ep2_without_a_hang_or_a_wrong_gradient(skew):
+    """Issue 34's liveness case (Megatron-LM #5749: EP hangs after hundreds of steps when counts vary):
+    every row goes to rank 0's experts, so rank 1's experts receive none, every step, for 200 steps,
+    at dp2 x ep2 with ZeRO-1 under strict communication mode; losses and weights stay one process's."""
+    steps, offsets = 200, SKEWS[skew]
+    single = run_on_ranks(_ep_fit, 1, None, steps, None, offsets, timeout=600)[0]
+    ranks = run_on_ranks(_ep_fit, 2, None, steps, None, offsets, timeout=900, expert_parallel=2, zero_stage=1)
+    assert single["routed"] == list(range(len(offsets))) and all(r["routed"] == single["routed"] for r in ranks)
+    mean = [sum(step) / 2 for step in zip(*(r["losses"] for r in ranks))]
+    np.testing.assert_allclose(mean, single["losses"], rtol=1e-4)
+    assert_same_weights(ranks[0]["weights"], single["weights"], skew, rtol=1e-3, atol=2e-5)  # (200 steps of fp32 drift)

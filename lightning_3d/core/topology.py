@@ -29,6 +29,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -171,8 +172,12 @@ class Topology:
         self.coords = dims.coordinates(self.rank)
         # the replicas as (expert replicas, expert group): built only under expert parallelism
         self.expert_layout: Optional[DeviceMesh] = None
+        self._expert_replicas: Optional[DeviceMesh] = None
         if dims.ep > 1:
+            if not hasattr(self.replica_mesh, "_unflatten"):
+                raise RuntimeError(f"expert_parallel={dims.ep} needs torch >= 2.9 (DeviceMesh._unflatten); this is torch {torch.__version__}.")
             self.expert_layout = self.replica_mesh._unflatten(0, (self.dp_size // dims.ep, dims.ep), EXPERT_DIMS)
+            self._expert_replicas = self.expert_layout["edp"]  # one object: buckets group parameters by it
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str = "cpu") -> "Topology":
@@ -237,7 +242,7 @@ class Topology:
     def expert_replica_mesh(self) -> Optional[DeviceMesh]:
         """The 1-D mesh of the ``dp x cp / ep`` ranks holding the same experts: experts' gradients
         are reduced and their ZeRO state sharded over it; None without expert parallelism."""
-        return self.expert_layout["edp"] if self.expert_layout is not None else None
+        return self._expert_replicas
 
     @property
     def cp_size(self) -> int:

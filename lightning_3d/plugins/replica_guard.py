@@ -68,6 +68,11 @@ CAUSES = {
         "parameter changed outside the optimizer on some ranks, an optimizer stepped on one rank's own gradients, "
         "a rank-dependent learning rate)"
     ),
+    "expert data parallel": (
+        "the ranks holding the same experts (expert parallelism's expert replicas) must apply the same gradient, "
+        "summed over them; something updated one copy of an expert slice differently (a parameter changed outside "
+        "the optimizer on some ranks, an expert slice left out of the gradient reduction)"
+    ),
 }
 
 

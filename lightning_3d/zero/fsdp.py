@@ -78,7 +78,8 @@ def apply_zero3(
     for unit, mesh in partial_replica_units(root):  # inner units first (FSDP2 shards children before parents)
         sharded = fully_shard(unit, mesh=mesh, mp_policy=policy, **extra)
         sharded.set_gradient_divide_factor(float(dp_mesh.size()))  # sum over the expert replicas / R
-        sharded.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
+        if mesh.size() > 1:  # a sum, then the division (gloo has no PREMUL_SUM); on one rank FSDP2 divides
+            sharded.set_force_sum_reduction_for_comms(True)  # once by itself, and a forced sum would divide twice
     for unit in fsdp_units(root):
         sharded = fully_shard(unit, mesh=dp_mesh, mp_policy=policy, **extra)
         if id(unit) in top_level:
