@@ -404,3 +404,10 @@ def cp_attention_kernels(steps: int, repeats: int) -> dict[str, Any]:
     from context_parallel_cases import cp_attention_kernels as kernels
 
     return kernels(steps, repeats)
+
+
+@case
+def ep2_vs_ep1(steps: int, repeats: int) -> dict[str, Any]:
+    from moe_cases import ep2_vs_ep1 as compare
+
+    return compare(steps, repeats)
