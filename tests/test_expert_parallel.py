@@ -161,6 +161,7 @@ EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4
     "ep2_zero3": dict(expert_parallel=2, zero_stage=3),
     "ep4_zero2": dict(expert_parallel=4, zero_stage=2),
     "ep4_zero3": dict(expert_parallel=4, zero_stage=3),  # (one rank per expert slice: FSDP2 divides once)
+    "cp2_ep2": dict(data_parallel=2, context_parallel=2, expert_parallel=2),  # an expert group of cp peers
 }
 
 

@@ -149,7 +149,7 @@ MOE_GPT = dict(n_experts=4, top_k=2, n_shared_experts=1, moe_every=2, expert_hid
 MOE_STEPS = 4
 
 
-def moe_losses(**strategy: object) -> list[float]:
+def moe_losses(model: dict[str, object] | None = None, **strategy: object) -> list[float]:
     import lightning as L
 
     from lightning_3d import ThreeDParallelStrategy
@@ -159,7 +159,7 @@ def moe_losses(**strategy: object) -> list[float]:
     recorder = LossRecorder()
     kwargs = {"strategy": ThreeDParallelStrategy(**strategy)} if strategy else {}
     trainer = quiet_trainer(max_steps=MOE_STEPS, limit_val_batches=0, callbacks=[recorder], **kwargs)
-    trainer.fit(tiny_gpt(**MOE_GPT), tiny_data(global_batch_size=8))
+    trainer.fit(tiny_gpt(**{**MOE_GPT, **(model or {})}), tiny_data(global_batch_size=8))
     return recorder.losses
 
 
@@ -168,10 +168,11 @@ def moe_world() -> dict[str, object]:
 
     checks = {f"zero{stage}": (lambda stage=stage: moe_losses(zero_stage=stage)) for stage in (0, 1, 2, 3)}
     checks["recompute"] = lambda: moe_losses(activation_checkpointing="full")
+    checks["cp2"] = lambda: moe_losses(data_parallel=1, context_parallel=2)  # the balance loss's counts summed over cp
+    checks["cp2_capacity"] = lambda: _refusal(lambda: moe_losses(data_parallel=1, context_parallel=2, model={"capacity_factor": 1.0}))
     refused = {
         "tp2": dict(data_parallel=1, tensor_parallel=2),
         "pp2": dict(data_parallel=1, pipeline_parallel=2),
-        "cp2": dict(data_parallel=1, context_parallel=2),
     }
     for name, layout in refused.items():
         checks[name] = lambda layout=layout: _refusal(lambda: moe_losses(**layout))
@@ -200,21 +201,24 @@ def test_moe_gpt_parameters_and_blocks():
 
 def test_dp2_moe_matches_one_process_at_every_zero_stage_and_other_degrees_are_refused():
     """Data parallelism replicates the experts (ZeRO shards them like any parameter); the auxiliary
-    losses are per sequence, so the replicas' mean loss is one process's."""
+    losses are per sequence, so the replicas' mean loss is one process's; at cp2 each rank holds half
+    of every sequence, and the balance loss sums the experts' counts over cp."""
     from lightning_3d.testing.harness import run_on_ranks
     from tests.helpers import result_of
 
     single = run_on_ranks(moe_losses, 1, timeout=300)[0]
     assert len(single) == MOE_STEPS and single[-1] < single[0]
     ranks = run_on_ranks(moe_world, 2, timeout=600)
-    for name in ("zero0", "zero1", "zero2", "zero3", "recompute"):
+    for name in ("zero0", "zero1", "zero2", "zero3", "recompute", "cp2"):
         mean = [sum(r) / 2 for r in zip(*(result_of(rank, name) for rank in ranks))]
         np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, single)]
         assert all(np_close), (name, mean, single)
-    for name, degree in (("tp2", "tensor_parallel=2"), ("pp2", "pipeline_parallel=2"), ("cp2", "context_parallel=2")):
+    for name, degree in (("tp2", "tensor_parallel=2"), ("pp2", "pipeline_parallel=2")):
         message = result_of(ranks[0], name)
         assert "n_experts=4" in message and degree in message, message
-        assert "which this version trains under data and expert parallelism and ZeRO 0-3 only" in message, message
+        assert "which this version trains under data, context and expert parallelism and ZeRO 0-3 only" in message, message
+    capacity = result_of(ranks[0], "cp2_capacity")
+    assert "context_parallel=2: an MoE layer has capacity_factor=1.0" in capacity, capacity
 
 
 def test_flops_per_token_count_what_a_token_computes_in_its_experts():

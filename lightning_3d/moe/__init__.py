@@ -5,7 +5,7 @@ expert parallelism will be applied to them from outside, as tensor parallelism i
 """
 
 from lightning_3d.moe.experts import GroupedExperts, grouped_mm
-from lightning_3d.moe.layer import MoE, SharedExperts
+from lightning_3d.moe.layer import MoE, SharedExperts, bind_sequence_group
 from lightning_3d.moe.router import Routing, TopKRouter
 
-__all__ = ["GroupedExperts", "MoE", "Routing", "SharedExperts", "TopKRouter", "grouped_mm"]
+__all__ = ["GroupedExperts", "MoE", "Routing", "SharedExperts", "TopKRouter", "bind_sequence_group", "grouped_mm"]

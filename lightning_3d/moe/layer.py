@@ -11,7 +11,11 @@ nothing, so that token keeps only its residual (and the shared experts).
 Auxiliary losses (``aux_loss`` after a training forward, None otherwise) are computed per sequence
 (the sequence-wise balance loss of DeepSeek-V3, and the router z-loss of ST-MoE averaged over
 tokens): a sequence's statistics do not depend on which micro-batch or replica it lands in, so the
-loss is the same however the batch is split. The model adds them to its loss.
+loss is the same however the batch is split. The model adds them to its loss. Under context
+parallelism (``sequence_group``: the ranks holding the other parts of each sequence) each rank
+holds part of every sequence: the experts' token counts are summed over that group, so each rank's
+balance term is ``sum_i f_i P_i_local`` with the whole sequence's ``f_i``, and the mean over the
+group (the replicas' gradient average) is the sequence's loss.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -97,6 +102,7 @@ class MoE(nn.Module):
         self.balance_coefficient, self.z_loss_coefficient = balance_coefficient, z_loss_coefficient
         self.aux_loss: Optional[Tensor] = None
         self.expert_group: Optional[Any] = None  # set by expert parallelism (moe/expert_parallel.py)
+        self.sequence_group: Optional[Any] = None  # set under context parallelism (bind_sequence_group)
 
     @property
     def n_experts(self) -> int:
@@ -130,9 +136,29 @@ class MoE(nn.Module):
             e, k = self.n_experts, self.router.top_k
             chosen = F.one_hot(routing.experts, e).sum(dim=1).float().view(sequences, -1, e)  # (S, T, E)
             scores = routing.scores / routing.scores.sum(dim=-1, keepdim=True)  # sigmoid scores normalised
-            fraction = chosen.mean(dim=1) * (e / k)  # f_i per sequence: 1 when balanced
+            counts, tokens = chosen.sum(dim=1), chosen.shape[1]  # (no gradient: counts of choices)
+            if self.sequence_group is not None:  # the whole sequences' counts (context parallelism)
+                dist.all_reduce(counts, group=self.sequence_group)
+                tokens *= dist.get_world_size(self.sequence_group)
+            fraction = counts / tokens * (e / k)  # f_i per sequence: 1 when balanced
             probability = scores.view(sequences, -1, e).mean(dim=1)  # P_i per sequence
             terms.append(self.balance_coefficient * (fraction * probability).sum(dim=-1).mean())
         if self.z_loss_coefficient:
             terms.append(self.z_loss_coefficient * torch.logsumexp(routing.logits, dim=-1).square().mean())
         return sum(terms) if terms else None  # type: ignore[return-value]
+
+
+def bind_sequence_group(module: nn.Module, group: Optional[Any]) -> int:
+    """Tell every MoE layer in ``module`` which ranks hold the other parts of its sequences (context
+    parallelism; ``None``: none). Returns how many layers. A capacity factor is refused there: which
+    rows an expert keeps depends on the whole sequence's routing, which no rank has."""
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        if group is not None and layer.capacity_factor is not None:
+            raise ValueError(
+                f"context_parallel={dist.get_world_size(group)}: an MoE layer has capacity_factor={layer.capacity_factor}, "
+                f"whose per-sequence drops need the whole sequence's routing on one rank; use capacity_factor=None "
+                f"(dropless) or context_parallel=1."
+            )
+        layer.sequence_group = group
+    return len(layers)

@@ -38,6 +38,7 @@ from lightning_3d.core.distributed import broadcast_module_state
 from lightning_3d.core.topology import Topology
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.moe.expert_parallel import apply_expert_parallel
+from lightning_3d.moe.layer import bind_sequence_group
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
@@ -156,6 +157,7 @@ def remove_context_parallel(root: nn.Module) -> None:
     for _, model, _, adapter in find_sequences(root):
         if unshard_inputs(model) and adapter is not None:
             adapter.context_parallel(model, None)
+    bind_sequence_group(root, None)
 
 
 def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
@@ -176,6 +178,13 @@ def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
                 f"replace; use a registered family ({known_names()}) or context_parallel=1."
             )
         adapter.context_parallel(model, cp)
+    experts = [name for name, dims in models_in(root) if getattr(dims, "n_experts", 0)]
+    if not bind_sequence_group(root, cp.group) and experts:
+        raise NotImplementedError(
+            f"context_parallel={cp.size}: model {experts[0]!r} has mixture-of-experts layers that are not lightning_3d.moe "
+            f"layers (a Hugging Face MoE family), whose router losses would see only this rank's part of each "
+            f"sequence; use context_parallel=1 for it."
+        )
     return len(found)
 
 
