@@ -85,7 +85,7 @@ def test_expert_parallel_layer_matches_one_process(world, skew, shared):
 
 
 # -- through the strategy: ThreeDParallelStrategy(expert_parallel=E) on 4 ranks ---------------------------------
-def _sgd_moe_gpt(skew: tuple[float, ...] = ()) -> Any:
+def _sgd_moe_gpt(skew: tuple[float, ...] = (), **overrides: Any) -> Any:
     """The MoE GPT of tests/test_moe.py under plain SGD: Adam's update hardly changes when a gradient
     is scaled (the experts' by 1 / ep, say), SGD's changes in proportion, so the losses see it.
     ``skew``: added to the first router logits of every token (top-k = its length) of a frozen router,
@@ -111,12 +111,12 @@ def _sgd_moe_gpt(skew: tuple[float, ...] = ()) -> Any:
                         layer.router.gate.weight.requires_grad_(False)  # (else the z-loss learns the skew away)
                     layer.router.register_forward_hook(lambda m, i, out: self.routed.update(out.experts.unique().tolist()))
 
-    return SGDGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT, **({"top_k": len(skew)} if skew else {})}))
+    return SGDGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT, **({"top_k": len(skew)} if skew else {}), **overrides}))
 
 
 def _ep_fit(
     root: str | None, steps: int, ckpt_path: str | None = None, skew: tuple[float, ...] = (), callbacks: tuple[Any, ...] = (),
-    **strategy: Any,
+    model: dict[str, Any] | None = None, **strategy: Any,
 ) -> dict[str, Any]:
     """The SGD MoE GPT trained ``steps`` steps (``root``: save every 2 steps there): this rank's losses,
     the whole trained model's weights (gathered from every slice and shard; kept on rank 0) and the
@@ -137,13 +137,13 @@ def _ep_fit(
         max_steps=steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=root is not None,
         strategy=ThreeDParallelStrategy(**strategy), gradient_clip_val=1.0,
     )
-    model = _sgd_moe_gpt(skew)
-    model.routed = set()
-    trainer.fit(model, tiny_data(global_batch_size=8), ckpt_path=ckpt_path)
+    module = _sgd_moe_gpt(skew, **(model or {}))
+    module.routed = set()
+    trainer.fit(module, tiny_data(global_batch_size=8), ckpt_path=ckpt_path)
     from lightning_3d.checkpoint.dense_state import full_state_dict
 
-    weights = {k: v.float().numpy() for k, v in full_state_dict(model).items()}  # (collective)
-    return {"losses": recorder.losses, "weights": weights if trainer.global_rank == 0 else None, "routed": sorted(model.routed)}
+    weights = {k: v.float().numpy() for k, v in full_state_dict(module).items()}  # (collective)
+    return {"losses": recorder.losses, "weights": weights, "routed": sorted(module.routed)}
 
 
 def _refused(call: Any) -> str:
@@ -162,14 +162,20 @@ EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4
     "ep4_zero2": dict(expert_parallel=4, zero_stage=2),
     "ep4_zero3": dict(expert_parallel=4, zero_stage=3),  # (one rank per expert slice: FSDP2 divides once)
     "cp2_ep2": dict(data_parallel=2, context_parallel=2, expert_parallel=2),  # an expert group of cp peers
+    "pp2_ep2_1f1b": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2, pipeline_schedule="1f1b"),
+    "pp2_ep2_zb_v": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2, pipeline_schedule="zb_v"),
 }
+PIPELINED = {"n_layer": 4, "moe_every": 1}  # pipelined cells: an MoE layer in each of zb_v's four pieces
 
 
 def _ep_world(root: str) -> dict[str, Any]:
     from tests.helpers import run_checks
 
     saved = f"{root}/ep2"
-    checks: dict[str, Any] = {name: (lambda s=s: _ep_fit(None, EP_STEPS, **s)) for name, s in EP_LAYOUTS.items()}
+    checks: dict[str, Any] = {
+        name: (lambda name=name, s=s: _ep_fit(None, EP_STEPS, model=PIPELINED if name.startswith("pp2") else None, **s))
+        for name, s in EP_LAYOUTS.items()
+    }
     checks["saved"] = lambda: _ep_fit(saved, 2, expert_parallel=2)
     for ep in (1, 4):  # a fresh Trainer and model at another expert_parallel, from the ep2 checkpoint
         checks[f"resumed_ep{ep}"] = lambda ep=ep: _ep_fit(None, EP_STEPS, f"{saved}/step=2.ckpt", expert_parallel=ep)
@@ -213,17 +219,22 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
     from tests.helpers import result_of
 
     single = run_on_ranks(_ep_fit, 1, None, EP_STEPS, timeout=300)[0]
+    pipelined = run_on_ranks(_ep_fit, 1, None, EP_STEPS, model=PIPELINED, timeout=300)[0]
     ranks = run_on_ranks(_ep_world, 4, str(tmp_path), timeout=900)
 
     def mean(name: str) -> list[float]:
         return [sum(step) / 4 for step in zip(*(result_of(rank, name)["losses"] for rank in ranks))]
 
-    def same_weights(name: str) -> None:  # SGD: a weight's update is lr x its gradient, so this checks every gradient
-        assert_same_weights(result_of(ranks[0], name)["weights"], single["weights"], name)
+    def same_weights(name: str, want: dict[str, Any] = single) -> None:  # SGD: a weight's update is lr x its gradient
+        got = result_of(ranks[0], name)["weights"]
+        if name.startswith("pp2"):  # the last stage's (ranks 2 and 3) weights too
+            got = {**got, **result_of(ranks[2], name)["weights"]}
+        assert_same_weights(got, want["weights"], name)
 
     for name in EP_LAYOUTS:
-        np.testing.assert_allclose(mean(name), single["losses"], rtol=1e-5, err_msg=name)
-        same_weights(name)
+        want = pipelined if name.startswith("pp2") else single
+        np.testing.assert_allclose(mean(name), want["losses"], rtol=1e-5, err_msg=name)
+        same_weights(name, want)
     np.testing.assert_allclose(mean("saved"), single["losses"][:2], rtol=1e-5)
     for ep in (1, 4):
         np.testing.assert_allclose(mean(f"resumed_ep{ep}"), single["losses"][2:], rtol=1e-5, err_msg=f"resumed at ep{ep}")

@@ -147,6 +147,7 @@ def test_aux_losses_are_per_sequence_so_any_split_of_the_batch_gives_the_same():
 # -- the reference GPT with experts, through Lightning's Trainer ------------------------------------------------
 MOE_GPT = dict(n_experts=4, top_k=2, n_shared_experts=1, moe_every=2, expert_hidden=32, moe_z_loss=1e-3, mlp="swiglu")
 MOE_STEPS = 4
+PIPELINED_MOE = {"n_layer": 4, "moe_every": 1}  # an MoE layer in every piece, zb_v's four included
 
 
 def moe_losses(model: dict[str, object] | None = None, **strategy: object) -> list[float]:
@@ -170,10 +171,11 @@ def moe_world() -> dict[str, object]:
     checks["recompute"] = lambda: moe_losses(activation_checkpointing="full")
     checks["cp2"] = lambda: moe_losses(data_parallel=1, context_parallel=2)  # the balance loss's counts summed over cp
     checks["cp2_capacity"] = lambda: _refusal(lambda: moe_losses(data_parallel=1, context_parallel=2, model={"capacity_factor": 1.0}))
-    refused = {
-        "tp2": dict(data_parallel=1, tensor_parallel=2),
-        "pp2": dict(data_parallel=1, pipeline_parallel=2),
-    }
+    for schedule in ("1f1b", "zb_v"):  # every stage's auxiliary losses join the gradient and the reported loss
+        checks[f"pp2_{schedule}"] = lambda schedule=schedule: moe_losses(
+            PIPELINED_MOE, data_parallel=1, pipeline_parallel=2, pipeline_schedule=schedule
+        )
+    refused = {"tp2": dict(data_parallel=1, tensor_parallel=2)}
     for name, layout in refused.items():
         checks[name] = lambda layout=layout: _refusal(lambda: moe_losses(**layout))
     return run_checks(checks)
@@ -207,16 +209,18 @@ def test_dp2_moe_matches_one_process_at_every_zero_stage_and_other_degrees_are_r
     from tests.helpers import result_of
 
     single = run_on_ranks(moe_losses, 1, timeout=300)[0]
+    pipelined = run_on_ranks(moe_losses, 1, PIPELINED_MOE, timeout=300)[0]
     assert len(single) == MOE_STEPS and single[-1] < single[0]
     ranks = run_on_ranks(moe_world, 2, timeout=600)
-    for name in ("zero0", "zero1", "zero2", "zero3", "recompute", "cp2"):
+    for name in ("zero0", "zero1", "zero2", "zero3", "recompute", "cp2", "pp2_1f1b", "pp2_zb_v"):
+        # (a pipeline's ranks report the batch loss each: their mean is it too)
+        want = pipelined if name.startswith("pp2") else single
         mean = [sum(r) / 2 for r in zip(*(result_of(rank, name) for rank in ranks))]
-        np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, single)]
-        assert all(np_close), (name, mean, single)
-    for name, degree in (("tp2", "tensor_parallel=2"), ("pp2", "pipeline_parallel=2")):
-        message = result_of(ranks[0], name)
-        assert "n_experts=4" in message and degree in message, message
-        assert "which this version trains under data, context and expert parallelism and ZeRO 0-3 only" in message, message
+        np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, want)]
+        assert all(np_close), (name, mean, want)
+    message = result_of(ranks[0], "tp2")
+    assert "n_experts=4" in message and "tensor_parallel=2" in message, message
+    assert "which this version trains under data, context, pipeline and expert parallelism and ZeRO 0-3" in message, message
     capacity = result_of(ranks[0], "cp2_capacity")
     assert "context_parallel=2: an MoE layer has capacity_factor=1.0" in capacity, capacity
 
@@ -262,3 +266,19 @@ def test_hugging_face_moe_families_are_held_to_data_parallelism_too(family):
     assert any(r.rule == "experts_need_data_parallel" and "tensor_parallel=2" in r.message for r in reasons)
     assert not [r for r in model_refusals(tp=1, pp=1, model=dims) if r.rule == "experts_need_data_parallel"]
     assert config_dims(transformers.LlamaConfig()).n_experts == 0
+
+
+def test_hugging_face_moe_models_are_not_pipelined_without_their_router_loss():
+    """transformers computes an MoE model's router loss in the whole model's forward; a pipeline stage
+    runs only its layers, so the loss would be lost: refused by the HF adapter, by name."""
+    import transformers
+
+    from lightning_3d.models.adapters.registry import adapter_for
+
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    why = adapter_for(model).pipeline_refusal(model)
+    assert why is not None and "mixture-of-experts layers (n_experts=4)" in why and "pipeline_parallel=1" in why, why

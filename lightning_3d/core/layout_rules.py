@@ -198,11 +198,11 @@ def tensor_parallel_refusals(tp: int, model: ModelLike) -> list[Refusal]:
 
 
 def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1) -> list[Refusal]:
-    """Mixture-of-experts layers run under data, context and expert parallelism and ZeRO; tensor and
-    pipeline parallelism do not know them yet: the experts would be split or their auxiliary losses
-    lost without a word (``cp`` is kept for the callers: the set-up refuses MoE code that is not
-    ``lightning_3d.moe`` under cp). Expert parallelism splits the routed experts, so it needs some,
-    in a number it divides."""
+    """Mixture-of-experts layers run under data, context, pipeline and expert parallelism and ZeRO;
+    tensor parallelism does not know them yet: its plans would leave the experts whole on every rank
+    with inputs the plan assumes split (``cp`` and ``pp`` are kept for the callers: the set-up refuses
+    MoE code that is not ``lightning_3d.moe`` under them). Expert parallelism splits the routed
+    experts, so it needs some, in a number it divides."""
     experts = getattr(model, "n_experts", 0)
     out = []
     if ep > 1 and not experts:
@@ -217,13 +217,12 @@ def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1) -> li
             f"expert_parallel={ep} must divide the model's {experts} routed experts (n_experts={experts}) so that each "
             f"rank holds whole experts; choose one of {_divisors(experts)}.",
         ))
-    degrees = [f"{name}={n}" for name, n in (("tensor_parallel", tp), ("pipeline_parallel", pp)) if n > 1]
-    if experts and degrees:
+    if experts and tp > 1:
         out.append(Refusal(
             "experts_need_data_parallel",
             f"the model has mixture-of-experts layers (n_experts={experts}), which this version trains under data, "
-            f"context and expert parallelism and ZeRO 0-3 only, not at {', '.join(degrees)}; use data_parallel and "
-            f"context_parallel (with expert_parallel) instead (MoE under tensor and pipeline parallelism is not "
+            f"context, pipeline and expert parallelism and ZeRO 0-3, not at tensor_parallel={tp}; use data, context "
+            f"or pipeline parallelism (with expert_parallel) instead (MoE under tensor parallelism is not "
             f"implemented yet).",
             unsupported=True,
         ))

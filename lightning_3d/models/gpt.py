@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_3d.moe import GroupedExperts, MoE
+from lightning_3d.moe import GroupedExperts, MoE, take_aux_losses
 
 
 MLPS = ("gelu", "swiglu")
@@ -370,12 +370,8 @@ class GPT(nn.Module):
     def aux_loss(self) -> Tensor | float:
         """The MoE layers' auxiliary losses of the last training forward (0 without experts), each
         handed out once."""
-        total: Tensor | float = 0.0
-        for module in self.modules():
-            if isinstance(module, MoE) and module.aux_loss is not None:
-                total = total + module.aux_loss
-                module.aux_loss = None
-        return total
+        total = take_aux_losses(self)
+        return 0.0 if total is None else total
 
 
 def _as_config(config: Union[GPTConfig, dict, None]) -> GPTConfig:

@@ -5,7 +5,7 @@ expert parallelism will be applied to them from outside, as tensor parallelism i
 """
 
 from lightning_3d.moe.experts import GroupedExperts, grouped_mm
-from lightning_3d.moe.layer import MoE, SharedExperts, bind_sequence_group
+from lightning_3d.moe.layer import MoE, SharedExperts, bind_sequence_group, take_aux_losses
 from lightning_3d.moe.router import Routing, TopKRouter
 
-__all__ = ["GroupedExperts", "MoE", "Routing", "SharedExperts", "TopKRouter", "bind_sequence_group", "grouped_mm"]
+__all__ = ["GroupedExperts", "MoE", "Routing", "SharedExperts", "TopKRouter", "bind_sequence_group", "grouped_mm", "take_aux_losses"]

@@ -95,10 +95,11 @@ def shard_experts(experts: GroupedExperts, group: Any, replica_mesh: Any = None)
         raise ValueError(f"expert_parallel={ep} must divide n_experts={experts.n_experts}.")
     local = experts.n_experts // ep
     for name in ("gate_proj", "up_proj", "down_proj"):
-        full = getattr(experts, name)
-        piece = nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=full.requires_grad)
-        update_meta(piece, tp_spec=TPSpec(dim=0, world=ep, rank=rank, full_shape=tuple(full.shape), group=group), replica_mesh=replica_mesh)
-        setattr(experts, name, piece)
+        # in place: the Parameter objects stay (a pipeline runtime built earlier holds them)
+        param = getattr(experts, name)
+        full_shape = tuple(param.shape)
+        param.data = param.detach()[rank * local : (rank + 1) * local].clone()
+        update_meta(param, tp_spec=TPSpec(dim=0, world=ep, rank=rank, full_shape=full_shape, group=group), replica_mesh=replica_mesh)
     experts.n_experts = local
 
 

@@ -162,3 +162,15 @@ def bind_sequence_group(module: nn.Module, group: Optional[Any]) -> int:
             )
         layer.sequence_group = group
     return len(layers)
+
+
+def take_aux_losses(module: nn.Module) -> Optional[Tensor]:
+    """The auxiliary losses the MoE layers inside ``module`` produced in their last training forward,
+    summed, each handed out once (None: none). Models add them to their loss; a pipeline stage
+    adds its blocks' to the gradient it propagates (``LayerSequence.aux_loss``)."""
+    total: Optional[Tensor] = None
+    for layer in module.modules():
+        if isinstance(layer, MoE) and layer.aux_loss is not None:
+            total = layer.aux_loss if total is None else total + layer.aux_loss
+            layer.aux_loss = None
+    return total

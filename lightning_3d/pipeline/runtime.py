@@ -162,6 +162,8 @@ class PipelineRuntime:
         self.deferred = DeferredWeightGradients()  # the zero-bubble schedules' weight-gradient halves
         self.costs: Optional[Costs] = None  # zb_h1: each stage's agreed F, I, W seconds, once measured
         self._train_calls = 0
+        self._piece_aux: Optional[Tensor] = None  # the auxiliary loss of the last piece forward (MoE layers)
+        self._aux_total: Optional[Tensor] = None  # this stage's weighted auxiliary losses of the last run
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -292,7 +294,7 @@ class PipelineRuntime:
         stash = _Stash(self, {id(p): p.grad for p in self.params})
         for p in self.params:
             p.grad = saved[id(p)]
-        loss = self._broadcast_scalar(total)
+        loss = self._broadcast_scalar(total) if self.sequence.aux_loss is None else self._summed_over_stages(total)
         return self.sequence.output(_DeferredGradients.apply(loss, stash, *self.params), None)
 
     @torch.no_grad()
@@ -348,8 +350,15 @@ class PipelineRuntime:
         if piece == 0:
             x = self.sequence.embed(batch)
         start, end = self.ranges[piece]
+        take = self.sequence.aux_loss
+        aux: Optional[Tensor] = None
         for i in range(start, end):
-            x = self.sequence.block(self.sequence.blocks[i], x, batch)
+            block = self.sequence.blocks[i]
+            x = self.sequence.block(block, x, batch)
+            found = take(block) if take is not None else None
+            if found is not None:
+                aux = found if aux is None else aux + found
+        self._piece_aux = aux
         return self.sequence.head(x, batch) if piece == self.pieces - 1 else x
 
     def _run(self, micro: list[Inputs], train: bool) -> Any:
@@ -367,6 +376,8 @@ class PipelineRuntime:
         held: dict[tuple[int, int], list[Callable[[], None]]] = {}  # I ran, W not yet: the weight gradients it set aside
         losses: list[Tensor] = []
         heads: list[HeadOutput] = []
+        aux: dict[tuple[int, int], Tensor] = {}  # a non-last piece's weighted auxiliary loss, until its B
+        self._aux_total = None
         scale = self.loss_scale() if train else 1.0
         plan = self._plan(m, train)
         split = any(isinstance(s, Action) and s.kind == "I" for s in plan)
@@ -374,7 +385,7 @@ class PipelineRuntime:
         # a receive buffer must not be reused under
         parameters = list({id(q): q for q in self.model.parameters()}.values()) if train else []
         with self.deferred.intercepting() if split else nullcontext():
-            self._steps(plan, micro, weights, wire, stats, stored, held, losses, heads, scale, train, parameters)
+            self._steps(plan, micro, weights, wire, stats, stored, held, losses, heads, scale, train, parameters, aux)
         wire.finish()
         assert not (wire.works or wire.received or wire.outgoing), "the communication plan left messages behind"
         assert not held, "the schedule left weight gradients behind"
@@ -402,8 +413,11 @@ class PipelineRuntime:
         scale: float,
         train: bool,
         parameters: list[Tensor],
+        aux: dict[tuple[int, int], Tensor],
     ) -> None:
-        """Run this rank's plan: posts, waits, computes, local hand-overs."""
+        """Run this rank's plan: posts, waits, computes, local hand-overs. A piece's auxiliary loss
+        (MoE layers) joins its micro-batch's loss with the same weight: in the last piece, added to the
+        head's loss; elsewhere, backpropagated together with the received gradient at its B."""
         for step in plan:
             if isinstance(step, Post):
                 wire.post(step, stored)
@@ -417,16 +431,23 @@ class PipelineRuntime:
                 if x is not None:
                     x.requires_grad_(train)
                 out = self._piece_forward(piece, x, micro[step.micro])
+                extra = self._piece_aux if train else None
+                if extra is not None:  # (reported: summed over the stages at the end of the run)
+                    weighted = _weighted(extra, weights[step.micro])
+                    self._aux_total = weighted.detach().float() + (self._aux_total if self._aux_total is not None else 0.0)
                 if piece == self.pieces - 1:
                     if out.loss is not None:
                         losses.append(_weighted(out.loss.detach().float(), weights[step.micro]))
                     heads.append(out if not train else HeadOutput(logits=out.logits))  # not the loss: its graph waits for W
                     if train:
-                        stored[key] = (x, _weighted(out.loss, weights[step.micro]))
+                        loss = out.loss if extra is None else out.loss + extra
+                        stored[key] = (x, _weighted(loss, weights[step.micro]))
                 else:
                     wire.outgoing[("SEND_ACT", *key)] = out.detach()
                     if train:
                         stored[key] = (x, out)
+                        if extra is not None:
+                            aux[key] = _weighted(extra, weights[step.micro])
                 stats.max_in_flight = max(stats.max_in_flight, len(stored) + len(held))  # alive until B, or W
                 stats.count(step.kind, time.perf_counter() - t0)
             elif step.kind in ("B", "I"):
@@ -436,11 +457,15 @@ class PipelineRuntime:
                 piece = step.piece(self.p, self.rank)
                 grad = None if piece == self.pieces - 1 else wire.received.pop(("RECV_GRAD", *key))
                 target = out * scale if grad is None else out
+                tensors, grads = [target], [grad]
+                if key in aux:  # this piece's auxiliary loss, scaled like the head's loss
+                    tensors.append(aux.pop(key) * scale)
+                    grads.append(None)
                 if step.kind == "B":
-                    torch.autograd.backward(target, grad)
+                    torch.autograd.backward(tensors, grads)
                 else:  # the input gradient now (the previous stage waits for it), the linears' weights' at its W
                     with self.deferred.collect([]) as works:
-                        torch.autograd.backward(target, grad)
+                        torch.autograd.backward(tensors, grads)
                     held[key] = works
                 x_grad = x.grad if x is not None else None
                 if x is not None:  # a piece that did not use its input still owes its peer a gradient
@@ -474,6 +499,15 @@ class PipelineRuntime:
 
     def _last_rank(self) -> int:
         return self.topology.dims.rank_of(self.topology.coords._replace(pp=self._last_stage()))
+
+    def _summed_over_stages(self, value: Optional[Tensor]) -> Tensor:
+        """The batch loss with every stage's auxiliary losses: the last stage's loss plus each stage's
+        weighted auxiliary losses, summed over the pipeline group (every rank gets it)."""
+        out = value.reshape(()).float() if value is not None else torch.zeros((), device=self._device())
+        if self._aux_total is not None:
+            out = out + self._aux_total.to(out.device)
+        dist.all_reduce(out, group=self.topology.pp_group)
+        return out
 
     def _broadcast_scalar(self, value: Optional[Tensor]) -> Tensor:
         out = value.reshape(()).float() if value is not None else torch.zeros((), device=self._device())

@@ -46,6 +46,9 @@ class LayerSequence:
         before_split: ``forward``'s ``(args, kwargs)`` -> the same, with what needs the whole
             sequence made explicit before context parallelism cuts it (labels shifted by one,
             positions); ``None``: nothing to do (the model reads true positions from its seams).
+        aux_loss: a block -> the auxiliary loss its last training forward produced (taken once: an
+            MoE layer's balance and z-losses), which the model adds to its loss; a pipeline stage
+            adds its blocks' to the gradient it propagates and to the reported loss. ``None``: none.
     """
 
     blocks: nn.ModuleList
@@ -62,6 +65,7 @@ class LayerSequence:
     with_loss: Callable[[Any, Tensor], Any] = field(default=lambda out, loss: loss)
     loss_inputs: Optional[Callable[[tuple, dict], Inputs]] = None
     before_split: Optional[Callable[[tuple, dict], tuple[tuple, dict]]] = None
+    aux_loss: Optional[Callable[[nn.Module], Optional[Tensor]]] = None
 
 
 def _tensor_loss_of(out: Any) -> Optional[Tensor]:

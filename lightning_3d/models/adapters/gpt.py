@@ -22,6 +22,7 @@ from lightning_3d.models.gpt import (
     causal_attention,
     sequence_positions,
 )
+from lightning_3d.moe import take_aux_losses
 from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_3d.tensor_parallel.plans import PlanContext, StyleSpec, TensorParallelPlan, gather_logits_hook
@@ -103,6 +104,7 @@ def gpt_sequence(model: nn.Module) -> LayerSequence:
         # the loss averages over the targets that are not masked: weigh micro-batches by those
         target_count=lambda batch: int((batch["targets"] != IGNORE_INDEX).sum()) if batch["targets"] is not None else 0,
         output=lambda loss, logits: loss if loss is not None else logits,
+        aux_loss=take_aux_losses if model.config.n_experts else None,
     )
 
 

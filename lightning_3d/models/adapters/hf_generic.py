@@ -93,6 +93,12 @@ class GenericHFAdapter(HFAdapter):
         )
 
     def pipeline_refusal(self, model: nn.Module) -> Optional[str]:
+        experts = config_dims(model.config).n_experts
+        if experts:  # transformers computes an MoE model's router loss in its forward, from every layer's logits
+            return (
+                f"{type(model).__name__} has mixture-of-experts layers (n_experts={experts}) whose router loss transformers "
+                f"computes in the whole model's forward, which a pipeline stage does not run; use pipeline_parallel=1."
+            )
         plan, why = pipeline_plan(model, getattr(model, "_pp_plan", None))
         if plan is not None:
             return None
