@@ -164,6 +164,8 @@ EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4
     "cp2_ep2": dict(data_parallel=2, context_parallel=2, expert_parallel=2),  # an expert group of cp peers
     "pp2_ep2_1f1b": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2, pipeline_schedule="1f1b"),
     "pp2_ep2_zb_v": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2, pipeline_schedule="zb_v"),
+    "tp2_ep2": dict(data_parallel=2, tensor_parallel=2, expert_parallel=2),  # one expert per rank of ep x tp
+    "tp2_zero3": dict(data_parallel=2, tensor_parallel=2, zero_stage=3),
 }
 PIPELINED = {"n_layer": 4, "moe_every": 1}  # pipelined cells: an MoE layer in each of zb_v's four pieces
 

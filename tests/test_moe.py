@@ -175,7 +175,8 @@ def moe_world() -> dict[str, object]:
         checks[f"pp2_{schedule}"] = lambda schedule=schedule: moe_losses(
             PIPELINED_MOE, data_parallel=1, pipeline_parallel=2, pipeline_schedule=schedule
         )
-    refused = {"tp2": dict(data_parallel=1, tensor_parallel=2)}
+    checks["tp2"] = lambda: moe_losses(data_parallel=1, tensor_parallel=2)  # experts, shared experts split over tp
+    refused = {"tp2_sp": dict(data_parallel=1, tensor_parallel=2, sequence_parallel=True)}
     for name, layout in refused.items():
         checks[name] = lambda layout=layout: _refusal(lambda: moe_losses(**layout))
     return run_checks(checks)
@@ -212,15 +213,14 @@ def test_dp2_moe_matches_one_process_at_every_zero_stage_and_other_degrees_are_r
     pipelined = run_on_ranks(moe_losses, 1, PIPELINED_MOE, timeout=300)[0]
     assert len(single) == MOE_STEPS and single[-1] < single[0]
     ranks = run_on_ranks(moe_world, 2, timeout=600)
-    for name in ("zero0", "zero1", "zero2", "zero3", "recompute", "cp2", "pp2_1f1b", "pp2_zb_v"):
+    for name in ("zero0", "zero1", "zero2", "zero3", "recompute", "cp2", "pp2_1f1b", "pp2_zb_v", "tp2"):
         # (a pipeline's ranks report the batch loss each: their mean is it too)
         want = pipelined if name.startswith("pp2") else single
         mean = [sum(r) / 2 for r in zip(*(result_of(rank, name) for rank in ranks))]
         np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, want)]
         assert all(np_close), (name, mean, want)
-    message = result_of(ranks[0], "tp2")
-    assert "n_experts=4" in message and "tensor_parallel=2" in message, message
-    assert "which this version trains under data, context, pipeline and expert parallelism and ZeRO 0-3" in message, message
+    message = result_of(ranks[0], "tp2_sp")
+    assert "mixture-of-experts layers (n_experts=4), which take every token on every tensor-parallel rank" in message, message
     capacity = result_of(ranks[0], "cp2_capacity")
     assert "context_parallel=2: an MoE layer has capacity_factor=1.0" in capacity, capacity
 
@@ -252,20 +252,44 @@ def test_the_planner_refuses_a_model_with_experts_instead_of_counting_it_dense(c
 
 @pytest.mark.parametrize("family", ["MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "DeepseekV3Config"])
 def test_hugging_face_moe_families_are_held_to_data_parallelism_too(family):
-    """transformers' MoE plans shard experts in ways the tensor-parallel path does not implement: the
-    layout rules see the experts in the config and refuse tp/pp/cp by name, as for the reference GPT."""
+    """transformers runs its own MoE code for these families (not lightning_3d.moe): the adapters read
+    their experts from the config (the layout rules then check ep's divisibility), and the set-up
+    refuses every degree that would split what their router sees, by name."""
     import transformers
 
+    from lightning_3d.core.config import ParallelConfig
     from lightning_3d.core.layout_rules import model_refusals
     from lightning_3d.models.adapters.hf_common import config_dims
+    from lightning_3d.parallel.parallelize import refuse_foreign_experts
 
     config = getattr(transformers, family)()
     dims = config_dims(config)
     assert dims.n_experts == (getattr(config, "n_routed_experts", None) or config.num_local_experts) > 0
-    reasons = model_refusals(tp=2, pp=1, model=dims)
-    assert any(r.rule == "experts_need_data_parallel" and "tensor_parallel=2" in r.message for r in reasons)
-    assert not [r for r in model_refusals(tp=1, pp=1, model=dims) if r.rule == "experts_need_data_parallel"]
+    assert any(r.rule == "expert_parallel_divides_experts" for r in model_refusals(tp=1, pp=1, ep=dims.n_experts + 1, model=dims))
     assert config_dims(transformers.LlamaConfig()).n_experts == 0
+    tiny = _tiny_hf_moe(family)
+    refuse_foreign_experts(tiny, ParallelConfig(data_parallel=2, zero_stage=3))  # data parallelism and ZeRO: fine
+    for degrees in ({"tensor_parallel": 2}, {"context_parallel": 2}, {"expert_parallel": 2}):
+        with pytest.raises(NotImplementedError) as refused:
+            refuse_foreign_experts(tiny, ParallelConfig(**degrees))
+        assert "of its own (transformers' MoE code, not lightning_3d.moe)" in str(refused.value), refused.value
+
+
+def _tiny_hf_moe(family: str) -> torch.nn.Module:
+    import transformers
+
+    sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    experts = {
+        "MixtralConfig": dict(num_local_experts=4, num_experts_per_tok=2),
+        "Qwen3MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8),
+        "OlmoeConfig": dict(num_experts=4, num_experts_per_tok=2),
+        "DeepseekV3Config": dict(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+            q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=0,
+        ),
+    }[family]
+    config = getattr(transformers, family)(**sizes, **experts)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def test_hugging_face_moe_models_are_not_pipelined_without_their_router_loss():

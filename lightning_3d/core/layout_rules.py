@@ -197,12 +197,12 @@ def tensor_parallel_refusals(tp: int, model: ModelLike) -> list[Refusal]:
     return out
 
 
-def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1) -> list[Refusal]:
-    """Mixture-of-experts layers run under data, context, pipeline and expert parallelism and ZeRO;
-    tensor parallelism does not know them yet: its plans would leave the experts whole on every rank
-    with inputs the plan assumes split (``cp`` and ``pp`` are kept for the callers: the set-up refuses
-    MoE code that is not ``lightning_3d.moe`` under them). Expert parallelism splits the routed
-    experts, so it needs some, in a number it divides."""
+def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1, sequence_parallel: bool = False) -> list[Refusal]:
+    """Mixture-of-experts layers run under every degree and ZeRO stage: expert parallelism splits the
+    routed experts, so it needs some, in a number it divides; under tensor parallelism the experts
+    are split over ``ep x tp`` ranks (the same rule), and sequence parallelism is not supported yet.
+    (``cp`` and ``pp`` are kept for the callers: the set-up refuses MoE code that is not
+    ``lightning_3d.moe`` under any degree.)"""
     experts = getattr(model, "n_experts", 0)
     out = []
     if ep > 1 and not experts:
@@ -217,13 +217,19 @@ def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1) -> li
             f"expert_parallel={ep} must divide the model's {experts} routed experts (n_experts={experts}) so that each "
             f"rank holds whole experts; choose one of {_divisors(experts)}.",
         ))
-    if experts and tp > 1:
+    if experts and tp > 1 and experts % (ep * tp):
         out.append(Refusal(
-            "experts_need_data_parallel",
-            f"the model has mixture-of-experts layers (n_experts={experts}), which this version trains under data, "
-            f"context, pipeline and expert parallelism and ZeRO 0-3, not at tensor_parallel={tp}; use data, context "
-            f"or pipeline parallelism (with expert_parallel) instead (MoE under tensor parallelism is not "
-            f"implemented yet).",
+            "expert_tensor_parallel_divides_experts",
+            f"expert_parallel={ep} x tensor_parallel={tp} = {ep * tp} ranks split the model's {experts} routed experts "
+            f"(n_experts={experts}) between them, which it does not divide; choose degrees whose product divides "
+            f"{experts} ({_divisors(experts)}).",
+        ))
+    if experts and tp > 1 and sequence_parallel:
+        out.append(Refusal(
+            "experts_without_sequence_parallel",
+            f"the model has mixture-of-experts layers (n_experts={experts}), which take every token on every "
+            f"tensor-parallel rank; sequence_parallel=True would hand them a sequence shard. Use sequence_parallel=False "
+            f"(MoE with sequence parallelism is not implemented yet).",
             unsupported=True,
         ))
     return out
@@ -296,7 +302,7 @@ def model_refusals(
     """What the model's shape refuses. ``tensor_parallel_plan=False``: the user brings their own
     plan, so the built-in plans' divisibility does not apply."""
     out = tensor_parallel_refusals(tp, model) if tensor_parallel_plan else []
-    out += expert_refusals(tp=tp, pp=pp, cp=cp, model=model, ep=ep)
+    out += expert_refusals(tp=tp, pp=pp, cp=cp, model=model, ep=ep, sequence_parallel=sequence_parallel)
     out += context_parallel_refusals(cp, context_parallel_mode, tp, sequence_parallel, model)
     return out + pipeline_refusals(pp, virtual_stages, model) + sequence_parallel_refusals(tp, sequence_parallel, model)
 

@@ -244,6 +244,21 @@ class Topology:
         are reduced and their ZeRO state sharded over it; None without expert parallelism."""
         return self._expert_replicas
 
+    def expert_tensor_group(self) -> Optional[dist.ProcessGroup]:
+        """The ``ep x tp`` ranks that split the experts between them under expert and tensor
+        parallelism (ep-major: rank ``ep_rank * tp + tp_rank``); the tp group at ep=1, None at tp=1.
+        Created on first use, collectively on every rank."""
+        if self.dims.tp == 1:
+            return None
+        if self.dims.ep == 1:
+            return self.tp_group
+        if getattr(self, "_expert_tensor", None) is None:
+            inner = self.mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")._unflatten(
+                0, (self.dp_size // self.dims.ep, self.dims.ep, self.dims.tp), ("edp", "ep", "etp")
+            )
+            self._expert_tensor = inner["ep", "etp"]._flatten("ep_etp")
+        return self._expert_tensor.get_group()
+
     @property
     def cp_size(self) -> int:
         return self.dims.cp

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from lightning_3d.core.param_meta import update_meta
 from lightning_3d.moe.experts import GroupedExperts
-from lightning_3d.tensor_parallel.spec import TPSpec
+from lightning_3d.tensor_parallel.spec import TPSpec, mark_sequence_parallel
 
 
 class _AllToAll(torch.autograd.Function):
@@ -88,11 +88,11 @@ def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, g
 
 
 def shard_experts(experts: GroupedExperts, group: Any, replica_mesh: Any = None) -> None:
-    """Keep this rank's ``E / ep`` experts of ``experts`` (in place; contiguous blocks by rank).
-    ``replica_mesh``: the ranks that hold the same slice (recorded on the parameters)."""
+    """Keep this rank's ``E / size(group)`` experts of ``experts`` (in place; contiguous blocks by
+    rank). ``replica_mesh``: the ranks that hold the same slice (recorded on the parameters)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     if experts.n_experts % ep:
-        raise ValueError(f"expert_parallel={ep} must divide n_experts={experts.n_experts}.")
+        raise ValueError(f"{ep} ranks (expert_parallel x tensor_parallel) must divide n_experts={experts.n_experts}.")
     local = experts.n_experts // ep
     for name in ("gate_proj", "up_proj", "down_proj"):
         # in place: the Parameter objects stay (a pipeline runtime built earlier holds them)
@@ -103,16 +103,47 @@ def shard_experts(experts: GroupedExperts, group: Any, replica_mesh: Any = None)
     experts.n_experts = local
 
 
-def apply_expert_parallel(module: nn.Module, group: Any, replica_mesh: Any = None) -> int:
-    """Expert parallelism over ``group`` for every MoE layer in ``module``: each keeps its
-    ``E / ep`` experts and sends routed rows to their owners (ranks of ``group`` hold their own
-    tokens, as data-parallel ranks do). Returns how many layers are expert-parallel now."""
+def _split_shared_experts(shared: nn.Module, tp: Any) -> None:
+    """The shared experts' SwiGLU split as a column (gate, up) then row (down) parallel MLP, in place:
+    each tp rank computes a share of their output, summed with the routed experts' shares."""
+    world, rank = dist.get_world_size(tp), dist.get_rank(tp)
+    for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+        param = getattr(shared, name).weight
+        full_shape = tuple(param.shape)
+        if full_shape[dim] % world:
+            raise ValueError(f"tensor_parallel={world} must divide the shared experts' width {full_shape[dim]}.")
+        param.data = param.detach().chunk(world, dim=dim)[rank].clone()
+        update_meta(param, tp_spec=TPSpec(dim=dim, world=world, rank=rank, full_shape=full_shape, group=tp))
+
+
+def apply_expert_parallel(
+    module: nn.Module, group: Any = None, replica_mesh: Any = None, tp_group: Any = None, owners: Any = None
+) -> int:
+    """Split every MoE layer in ``module`` from outside; returns how many there are.
+
+    * ``group`` (expert parallelism): each rank of it keeps ``E / ep`` experts and sends routed rows
+      to their owners (ranks of ``group`` hold their own tokens, as data-parallel ranks do);
+      ``replica_mesh``: the ranks holding the same experts.
+    * ``tp_group`` (tensor parallelism): the tp ranks hold the same tokens and split the experts
+      further, ``E / (ep x tp)`` each, and the shared experts' width; every path's output is a
+      partial sum, reduced over tp, and the router's gradient is summed over tp.
+    * ``owners``: the group the experts are split over, ep-major (``ep x tp`` ranks; default:
+      ``group``, else ``tp_group``).
+    """
+    owners = owners if owners is not None else (group if group is not None else tp_group)
     count = 0
     for layer in module.modules():
         experts = getattr(layer, "experts", None)
-        if isinstance(experts, GroupedExperts) and hasattr(layer, "expert_group"):
-            if layer.expert_group is None:  # (else applied by an earlier set-up)
-                shard_experts(experts, group, replica_mesh)
-                layer.expert_group = group
-            count += 1
+        if not (isinstance(experts, GroupedExperts) and hasattr(layer, "expert_group")):
+            continue
+        count += 1
+        if owners is None or experts.n_experts != layer.n_experts:
+            continue  # nothing to split, or split by an earlier set-up
+        shard_experts(experts, owners, replica_mesh)
+        layer.expert_group = group
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            layer.tp_group = tp_group
+            mark_sequence_parallel(layer.router.gate.weight, tp_group)  # (its gradient is partial on each tp rank)
+            if layer.shared_experts is not None:
+                _split_shared_experts(layer.shared_experts, tp_group)
     return count

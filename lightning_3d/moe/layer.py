@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from lightning_3d.moe.expert_parallel import dispatch_to_experts
 from lightning_3d.moe.experts import GroupedExperts, capacity
 from lightning_3d.moe.router import Routing, TopKRouter
+from lightning_3d.tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 
 class SharedExperts(nn.Module):
@@ -103,6 +104,7 @@ class MoE(nn.Module):
         self.aux_loss: Optional[Tensor] = None
         self.expert_group: Optional[Any] = None  # set by expert parallelism (moe/expert_parallel.py)
         self.sequence_group: Optional[Any] = None  # set under context parallelism (bind_sequence_group)
+        self.tp_group: Optional[Any] = None  # set under tensor parallelism (moe/expert_parallel.py)
 
     @property
     def n_experts(self) -> int:
@@ -112,12 +114,17 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
+        tp = self.tp_group
+        if tp is not None:  # each tp rank computes a share of every path below: input gradients are partial
+            tokens = copy_to_tensor_parallel(tokens, tp)
         routing = self.router(tokens)
         sequences = shape[0] if len(shape) == 3 else 1
         keep = None
         if self.capacity_factor is not None:
             keep = capacity(tokens.shape[0] // sequences, self.router.top_k, self.n_experts, self.capacity_factor)
         token_of_row, weight_of_row, counts = _sorted_rows(routing, self.n_experts, keep, sequences)
+        if tp is not None:
+            token_of_row, weight_of_row, counts = self._tensor_parallel_share(token_of_row, weight_of_row, counts, tp)
         if self.expert_group is None:
             rows = self.experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
         else:
@@ -126,8 +133,29 @@ class MoE(nn.Module):
         out = tokens.new_zeros(tokens.shape, dtype=rows.dtype).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
+        if tp is not None:  # the tp ranks' shares: routed rows of their experts, their slice of the shared experts
+            out = reduce_from_tensor_parallel(out, tp)
         self.aux_loss = self._aux_loss(routing, sequences) if self.training and torch.is_grad_enabled() else None
+        if self.aux_loss is not None and tp is not None:
+            # every tp rank computes the same auxiliary loss; the router's gradients are summed over tp (its
+            # main-loss part is partial), so each rank backpropagates 1 / tp of it and reports all of it
+            share = self.aux_loss / dist.get_world_size(tp)
+            self.aux_loss = share + (self.aux_loss - share).detach()
         return out.view(shape)
+
+    def _tensor_parallel_share(self, token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, tp: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """The rows (sorted by expert) of the experts this tp rank's expert group holds. The experts are
+        split over ``ep x tp`` ranks (ep-major: expert block ``b`` lives on expert-group rank ``b // tp``,
+        tp rank ``b % tp``); the other tp ranks take the rest. A data-dependent selection: one host read."""
+        local = self.experts.n_experts
+        tp_size, tp_rank = dist.get_world_size(tp), dist.get_rank(tp)
+        owner = torch.arange(self.n_experts, device=counts.device) // local
+        mine = owner % tp_size == tp_rank
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.n_experts, device=counts.device), counts, output_size=token_of_row.numel()
+        )
+        keep = mine[expert_of_row]
+        return token_of_row[keep], weight_of_row[keep], counts[mine]
 
     def _aux_loss(self, routing: Routing, sequences: int) -> Optional[Tensor]:
         """Balance loss per sequence, averaged over the sequences; z-loss averaged over the tokens."""

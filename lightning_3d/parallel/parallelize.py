@@ -38,7 +38,7 @@ from lightning_3d.core.distributed import broadcast_module_state
 from lightning_3d.core.topology import Topology
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.moe.expert_parallel import apply_expert_parallel
-from lightning_3d.moe.layer import bind_sequence_group
+from lightning_3d.moe.layer import MoE, bind_sequence_group
 from lightning_3d.pipeline.runtime import PipelineConfig, PipelineRuntime, pipeline_model
 from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, TensorParallelPlan, apply_plan
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
@@ -89,6 +89,7 @@ def parallelize(
     # the layout rules the planner uses too, on the models' shapes: every reason at once, before any sharding
     user_plan: UserPlan = config.layout.tensor_parallel_plan  # None: the built-in plans of the models found
     config.check_models(models_in(module), tensor_parallel_plan=user_plan is None)
+    refuse_foreign_experts(module, config)
     remove_context_parallel(module)  # an earlier set-up's (validate before fit): rebuilt below, in order
     if config.layout.tensor_parallel > 1:
         apply_tensor_parallel(module, topology, config, rng_tracker, user_plan)
@@ -178,23 +179,42 @@ def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
                 f"replace; use a registered family ({known_names()}) or context_parallel=1."
             )
         adapter.context_parallel(model, cp)
-    experts = [name for name, dims in models_in(root) if getattr(dims, "n_experts", 0)]
-    if not bind_sequence_group(root, cp.group) and experts:
-        raise NotImplementedError(
-            f"context_parallel={cp.size}: model {experts[0]!r} has mixture-of-experts layers that are not lightning_3d.moe "
-            f"layers (a Hugging Face MoE family), whose router losses would see only this rank's part of each "
-            f"sequence; use context_parallel=1 for it."
-        )
+    bind_sequence_group(root, cp.group)
     return len(found)
 
 
+def refuse_foreign_experts(root: nn.Module, config: ParallelConfig) -> None:
+    """A model with experts that are not ``lightning_3d.moe`` layers (a Hugging Face MoE family runs
+    transformers' own) trains under data parallelism and ZeRO only: tensor, context, pipeline and
+    expert parallelism split or cut what its router and its router loss see, without knowing them."""
+    layout = config.layout
+    degrees = [f"{name}={n}" for name, n in (
+        ("tensor_parallel", layout.tensor_parallel), ("context_parallel", layout.context_parallel),
+        ("pipeline_parallel", layout.pipeline_parallel), ("expert_parallel", layout.expert_parallel),
+    ) if n > 1]
+    if not degrees:
+        return
+    for name, model, adapter in find_models(root):
+        experts = getattr(adapter.dims(model), "n_experts", 0)
+        if experts and not any(isinstance(m, MoE) for m in model.modules()):
+            raise NotImplementedError(
+                f"model {name or type(model).__name__!r} has mixture-of-experts layers (n_experts={experts}) of its own "
+                f"(transformers' MoE code, not lightning_3d.moe), which this version trains under data parallelism and "
+                f"ZeRO only, not at {', '.join(degrees)}: their experts and router loss would be split without being "
+                f"known. Set those degrees to 1 (the reference GPT's MoE composes with all of them)."
+            )
+
+
 def apply_expert_parallelism(root: nn.Module, topology: Topology) -> int:
-    """Split the experts of every ``lightning_3d.moe`` layer in ``root`` over the expert group (a no-op
-    at expert_parallel=1); returns how many layers are expert-parallel."""
-    if topology.ep_size == 1:
+    """Split the experts of every ``lightning_3d.moe`` layer in ``root`` over the expert group and the
+    tensor-parallel ranks (a no-op at expert_parallel=1, tensor_parallel=1); returns how many layers."""
+    if topology.ep_size == 1 and topology.dims.tp == 1:
         return 0
-    found = apply_expert_parallel(root, topology.expert_group, topology.expert_replica_mesh)
-    if not found:
+    tp = topology.tp_group if topology.dims.tp > 1 else None
+    found = apply_expert_parallel(
+        root, topology.expert_group, topology.expert_replica_mesh, tp_group=tp, owners=topology.expert_tensor_group()
+    )
+    if not found and topology.ep_size > 1:
         raise NotImplementedError(
             f"expert_parallel={topology.ep_size} found no lightning_3d.moe.MoE layer in {type(root).__name__}: expert "
             f"parallelism splits the grouped experts of lightning_3d's MoE layers (the reference GPT with n_experts); "

@@ -68,18 +68,24 @@ def gpt_plan(model: nn.Module) -> TensorParallelPlan:
             "blocks.*.ln_2": "sequence_norm",
         }
     )
-    if config.mlp == "swiglu":
-        styles.update(
-            {
-                "blocks.*.mlp": "prepare_input",
-                "blocks.*.mlp.gate_proj": "column_prepared",
-                "blocks.*.mlp.up_proj": "column_prepared",
-                "blocks.*.mlp.down_proj": "row",
-            }
-        )
-    else:
-        styles.update({"blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"})
-    styles.update({"blocks.*.mlp.dropout": "sequence_rng", "ln_f": "sequence_norm", "lm_head": "vocab_head"})
+    # the dense MLPs; an MoE block's experts are split by expert parallelism's set-up instead
+    # (lightning_3d/moe/expert_parallel.py: experts over ep x tp, the shared experts over tp)
+    dense = [str(i) for i in range(config.n_layer) if not config.is_moe_block(i)]
+    blocks = "*" if len(dense) == config.n_layer else None
+    for index in [blocks] if blocks else dense:
+        if config.mlp == "swiglu":
+            styles.update(
+                {
+                    f"blocks.{index}.mlp": "prepare_input",
+                    f"blocks.{index}.mlp.gate_proj": "column_prepared",
+                    f"blocks.{index}.mlp.up_proj": "column_prepared",
+                    f"blocks.{index}.mlp.down_proj": "row",
+                }
+            )
+        else:
+            styles.update({f"blocks.{index}.mlp.fc": "column", f"blocks.{index}.mlp.proj": "row"})
+        styles[f"blocks.{index}.mlp.dropout"] = "sequence_rng"
+    styles.update({"ln_f": "sequence_norm", "lm_head": "vocab_head"})
     return TensorParallelPlan(name="GPT", styles=styles, check=GPT_ADAPTER.check_tensor_parallel, finalize=finalize)
 
 
