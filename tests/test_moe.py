@@ -3,6 +3,8 @@ references, in one process (expert parallelism's multi-rank tests build on these
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -148,19 +150,30 @@ def test_aux_losses_are_per_sequence_so_any_split_of_the_batch_gives_the_same():
 MOE_GPT = dict(n_experts=4, top_k=2, n_shared_experts=1, moe_every=2, expert_hidden=32, moe_z_loss=1e-3, mlp="swiglu")
 MOE_STEPS = 4
 PIPELINED_MOE = {"n_layer": 4, "moe_every": 1}  # an MoE layer in every piece, zb_v's four included
+MASKED_AUX = {"moe_balance_loss": 1.0}  # a large auxiliary part: weighed by targets, it would show at rel 1e-5
 
 
-def moe_losses(model: dict[str, object] | None = None, **strategy: object) -> list[float]:
+def moe_losses(model: dict[str, object] | None = None, masked: bool = False, **strategy: object) -> list[float]:
+    """``masked``: targets whose input token is a multiple of 5 are ignored, so replicas and
+    micro-batches hold different numbers of targets but the same number of sequences."""
     import lightning as L
 
     from lightning_3d import ThreeDParallelStrategy
-    from tests.helpers import LossRecorder, quiet_trainer, tiny_data, tiny_gpt
+    from lightning_3d.models import GPTConfig, GPTModule
+    from lightning_3d.models.gpt import IGNORE_INDEX
+    from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, tiny_data
+
+    class MaskedGPT(GPTModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return super().training_step((x, y.masked_fill(x % 5 == 0, IGNORE_INDEX) if masked else y), batch_idx)
 
     L.seed_everything(0)
     recorder = LossRecorder()
     kwargs = {"strategy": ThreeDParallelStrategy(**strategy)} if strategy else {}
     trainer = quiet_trainer(max_steps=MOE_STEPS, limit_val_batches=0, callbacks=[recorder], **kwargs)
-    trainer.fit(tiny_gpt(**{**MOE_GPT, **(model or {})}), tiny_data(global_batch_size=8))
+    module = MaskedGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT, **(model or {})}), lr=1e-2, warmup_steps=2)
+    trainer.fit(module, tiny_data(global_batch_size=8))
     return recorder.losses
 
 
@@ -176,6 +189,9 @@ def moe_world() -> dict[str, object]:
             PIPELINED_MOE, data_parallel=1, pipeline_parallel=2, pipeline_schedule=schedule
         )
     checks["tp2"] = lambda: moe_losses(data_parallel=1, tensor_parallel=2)  # experts, shared experts split over tp
+    # targets masked unevenly: the auxiliary losses are weighed by sequences, the main loss by targets
+    checks["masked"] = lambda: moe_losses(MASKED_AUX, masked=True)
+    checks["masked_pp2"] = lambda: moe_losses({**PIPELINED_MOE, **MASKED_AUX}, masked=True, data_parallel=1, pipeline_parallel=2)
     refused = {"tp2_sp": dict(data_parallel=1, tensor_parallel=2, sequence_parallel=True)}
     for name, layout in refused.items():
         checks[name] = lambda layout=layout: _refusal(lambda: moe_losses(**layout))
@@ -211,11 +227,13 @@ def test_dp2_moe_matches_one_process_at_every_zero_stage_and_other_degrees_are_r
 
     single = run_on_ranks(moe_losses, 1, timeout=300)[0]
     pipelined = run_on_ranks(moe_losses, 1, PIPELINED_MOE, timeout=300)[0]
+    masked = run_on_ranks(moe_losses, 1, MASKED_AUX, True, timeout=300)[0]
+    masked_pp = run_on_ranks(moe_losses, 1, {**PIPELINED_MOE, **MASKED_AUX}, True, timeout=300)[0]
     assert len(single) == MOE_STEPS and single[-1] < single[0]
     ranks = run_on_ranks(moe_world, 2, timeout=600)
-    for name in ("zero0", "zero1", "zero2", "zero3", "recompute", "cp2", "pp2_1f1b", "pp2_zb_v", "tp2"):
+    for name in ("zero0", "zero1", "zero2", "zero3", "recompute", "cp2", "pp2_1f1b", "pp2_zb_v", "tp2", "masked", "masked_pp2"):
         # (a pipeline's ranks report the batch loss each: their mean is it too)
-        want = pipelined if name.startswith("pp2") else single
+        want = {"masked": masked, "masked_pp2": masked_pp}.get(name, pipelined if name.startswith("pp2") else single)
         mean = [sum(r) / 2 for r in zip(*(result_of(rank, name) for rank in ranks))]
         np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, want)]
         assert all(np_close), (name, mean, want)

@@ -365,7 +365,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         out = self.head(x, targets)
-        return out if targets is None or not self.config.n_experts else out + self.aux_loss()
+        if targets is None or not self.config.n_experts:
+            return out
+        aux = self.aux_loss()
+        loss = out + aux
+        if isinstance(aux, Tensor):
+            loss.aux_loss = aux  # the part of the loss that averages over sequences (data-parallel weighting reads it)
+        return loss
 
     def aux_loss(self) -> Tensor | float:
         """The MoE layers' auxiliary losses of the last training forward (0 without experts), each

@@ -37,7 +37,7 @@ from lightning_3d.pipeline.sequences import HeadOutput, Inputs, LayerSequence
 from lightning_3d.pipeline.weight_gradients import DeferredWeightGradients
 from lightning_3d.tensor_parallel.plans import shared_parameters
 from lightning_3d.tensor_parallel.random import PIPELINE_STAGE_RNG, RNGStatesTracker
-from lightning_3d.transforms.loss_normalization import data_parallel_factor
+from lightning_3d.transforms.loss_normalization import batch_size, data_parallel_factor, data_parallel_factors
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # dtype code, ndim, up to 6 dims
@@ -164,6 +164,7 @@ class PipelineRuntime:
         self._train_calls = 0
         self._piece_aux: Optional[Tensor] = None  # the auxiliary loss of the last piece forward (MoE layers)
         self._aux_total: Optional[Tensor] = None  # this stage's weighted auxiliary losses of the last run
+        self._aux_weights: list[Union[float, Tensor]] = []  # each micro-batch's share of the sequences
         self.last_step = StepStats()
         self.history: list[StepStats] = []
 
@@ -272,12 +273,19 @@ class PipelineRuntime:
     def _weights(self, micro: list[Inputs], train: bool) -> list[Union[float, Tensor]]:
         """Each micro-batch's share of the batch loss: its count of (unmasked) targets over the batch's.
         In training the batch is the global one over data-parallel replicas (see loss_normalization);
-        that factor stays on the device (no host read before the schedule starts)."""
+        that factor stays on the device (no host read before the schedule starts). Auxiliary losses
+        (means over sequences) get each micro-batch's share of the sequences (``_aux_weights``)."""
         counts = [self.sequence.target_count(mb) for mb in micro]
         total = sum(counts)
+        sizes = [batch_size(mb) for mb in micro]
         scale: Union[float, Tensor] = 1.0
+        per_sequence: Union[float, Tensor] = 1.0
         if train and self.topology.dp_size > 1:
-            scale = data_parallel_factor(total, self.topology.dp_group, self._device())
+            if self.sequence.aux_loss is None:
+                scale = data_parallel_factor(total, self.topology.dp_group, self._device())
+            else:
+                scale, per_sequence = data_parallel_factors([total, sum(sizes)], self.topology.dp_group, self._device())
+        self._aux_weights = [per_sequence * (s / sum(sizes)) for s in sizes]
         return [scale * (c / total) if total and c else 0.0 for c in counts]
 
     def _train(self, micro: list[Inputs]) -> Any:
@@ -368,6 +376,7 @@ class PipelineRuntime:
             dist.all_reduce(torch.zeros(1, device=self._device()), group=self.topology.pp_group)
             self._group_ready = True
         m = len(micro)
+        self._aux_weights = [1.0 / m] * m
         weights = self._weights(micro, train) if _has_targets(micro[0]) else [0.0] * m
         stats = StepStats(micro_batches=m)
         wire = _Wire(self, [_signature(mb, train) for mb in micro], stats if train else None)
@@ -432,22 +441,22 @@ class PipelineRuntime:
                     x.requires_grad_(train)
                 out = self._piece_forward(piece, x, micro[step.micro])
                 extra = self._piece_aux if train else None
-                if extra is not None:  # (reported: summed over the stages at the end of the run)
-                    weighted = _weighted(extra, weights[step.micro])
-                    self._aux_total = weighted.detach().float() + (self._aux_total if self._aux_total is not None else 0.0)
+                if extra is not None:  # weighed by the micro-batch's sequences (reported: summed over the stages)
+                    extra = extra * self._aux_weights[step.micro]
+                    self._aux_total = extra.detach().float() + (self._aux_total if self._aux_total is not None else 0.0)
                 if piece == self.pieces - 1:
                     if out.loss is not None:
                         losses.append(_weighted(out.loss.detach().float(), weights[step.micro]))
                     heads.append(out if not train else HeadOutput(logits=out.logits))  # not the loss: its graph waits for W
                     if train:
-                        loss = out.loss if extra is None else out.loss + extra
-                        stored[key] = (x, _weighted(loss, weights[step.micro]))
+                        loss = _weighted(out.loss, weights[step.micro])
+                        stored[key] = (x, loss if extra is None else loss + extra)
                 else:
                     wire.outgoing[("SEND_ACT", *key)] = out.detach()
                     if train:
                         stored[key] = (x, out)
                         if extra is not None:
-                            aux[key] = _weighted(extra, weights[step.micro])
+                            aux[key] = extra
                 stats.max_in_flight = max(stats.max_in_flight, len(stored) + len(held))  # alive until B, or W
                 stats.count(step.kind, time.perf_counter() - t0)
             elif step.kind in ("B", "I"):

@@ -49,6 +49,9 @@ class LayerSequence:
         aux_loss: a block -> the auxiliary loss its last training forward produced (taken once: an
             MoE layer's balance and z-losses), which the model adds to its loss; a pipeline stage
             adds its blocks' to the gradient it propagates and to the reported loss. ``None``: none.
+            Auxiliary losses are means over sequences: the loss weighting weighs them by sequences.
+        aux_in_loss: what ``forward`` returned -> the auxiliary part its loss includes (``None``:
+            none), which the data-parallel loss normalization weighs by sequences, not targets.
     """
 
     blocks: nn.ModuleList
@@ -66,6 +69,7 @@ class LayerSequence:
     loss_inputs: Optional[Callable[[tuple, dict], Inputs]] = None
     before_split: Optional[Callable[[tuple, dict], tuple[tuple, dict]]] = None
     aux_loss: Optional[Callable[[nn.Module], Optional[Tensor]]] = None
+    aux_in_loss: Optional[Callable[[Any], Optional[Tensor]]] = None
 
 
 def _tensor_loss_of(out: Any) -> Optional[Tensor]:

@@ -14,6 +14,11 @@ With balanced counts the factor is exactly 1. The pipeline runtime applies the s
 micro-batch weights. Evaluation keeps per-replica means (no extra collective outside training).
 
 The count's all-reduce is one scalar per forward; it is a device tensor (NCCL-safe).
+
+A loss that includes auxiliary terms averaged over sequences rather than targets (an MoE layer's
+balance and z-losses; the model says which part: ``LayerSequence.aux_in_loss``) has that part
+rescaled by the sequences' factor instead (``local sequences * dp / global sequences``, from the
+same all-reduce): with masked targets spread unevenly, the target factor would weigh it by targets.
 """
 
 from __future__ import annotations
@@ -43,6 +48,20 @@ def data_parallel_factor(local: int, group: dist.ProcessGroup, device: torch.dev
     return (local * dist.get_world_size(group)) / total.clamp(min=1.0)
 
 
+def data_parallel_factors(counts: list[int], group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    """:func:`data_parallel_factor` of several counts at once (one all-reduce of ``len(counts)`` values)."""
+    local = torch.tensor([float(c) for c in counts], device=device)
+    total = local.clone()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return local * dist.get_world_size(group) / total.clamp(min=1.0)
+
+
+def batch_size(inputs: dict[str, Any]) -> int:
+    """Sequences in a batch of named inputs: the first tensor's first dimension."""
+    return next(int(v.shape[0]) for v in inputs.values() if isinstance(v, Tensor) and v.dim())
+
+
 def normalize_over_data_parallel(model: nn.Module, sequence: LayerSequence, group: dist.ProcessGroup) -> None:
     """Rescale ``model``'s training loss so the replicas' average is the batch's target mean (idempotent)."""
     if dist.get_world_size(group) == 1:
@@ -55,11 +74,19 @@ def normalize_over_data_parallel(model: nn.Module, sequence: LayerSequence, grou
             loss = sequence.loss_of(out)
             if loss is None or not (model.training and torch.is_grad_enabled()):
                 return out
-            count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
-            factor = data_parallel_factor(count, group, loss.device).to(loss.dtype)
+            inputs = (sequence.loss_inputs or sequence.inputs)(args, kwargs)
+            count = sequence.target_count(inputs)
+            aux = sequence.aux_in_loss(out) if sequence.aux_in_loss is not None else None
+            if aux is None:
+                factor = data_parallel_factor(count, group, loss.device).to(loss.dtype)
+                main = loss
+            else:  # the auxiliary part is a mean over sequences: weighed by sequences
+                factor, per_sequence = data_parallel_factors([count, batch_size(inputs)], group, loss.device).to(loss.dtype)
+                main = loss - aux
             if count == 0:  # this replica's targets are all masked: its mean is 0/0, its share is zero
-                return sequence.with_loss(out, loss.nan_to_num(0.0) * factor)
-            return sequence.with_loss(out, loss * factor)
+                main = main.nan_to_num(0.0)
+            scaled = main * factor if aux is None else main * factor + aux * per_sequence
+            return sequence.with_loss(out, scaled)
 
         return forward
 
