@@ -41,7 +41,10 @@ from tests.helpers import LossRecorder, quiet_trainer
 
 # -- the factors -----------------------------------------------------------------------------------
 FACTORS: dict[str, tuple[Any, ...]] = {
-    "layout": ("dp2", "tp2", "pp2", "dp2-tp2", "dp2-pp2", "tp2-pp2-v2", "dp2-tp2-pp2", "cp2", "dp2-cp2", "cp2-tp2", "cp2-pp2", "pp2-zb", "pp2-zbv", "pp2-dpv"),
+    "layout": (
+        "dp2", "tp2", "pp2", "dp2-tp2", "dp2-pp2", "tp2-pp2-v2", "dp2-tp2-pp2", "cp2", "dp2-cp2", "cp2-tp2", "cp2-pp2", "pp2-zb",
+        "pp2-zbv", "pp2-dpv", "dp2-ep2", "dp2-tp2-ep2",
+    ),
     "zero": (0, 1, 2, 3),
     "precision": ("32-true", "bf16-mixed", "16-mixed"),
     "accumulate": (1, 2),
@@ -54,6 +57,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "params": ("all", "unused-frozen"),
     "optimizers": ("one", "two"),
     "resume": ("no", "other-layout"),
+    "experts": ("none", "moe"),  # a dense GPT, or MoE blocks (lightning_3d.moe) in every other block
 }
 CORE = ("layout", "zero", "precision", "accumulate")  # crossed in full by make test-matrix
 
@@ -78,6 +82,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2-cp2": dict(data_parallel=2, context_parallel=2, context_parallel_mode="all_to_all"),
     "cp2-tp2": dict(data_parallel=1, context_parallel=2, tensor_parallel=2),
     "cp2-pp2": dict(data_parallel=1, context_parallel=2, context_parallel_mode="all_to_all", pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=4),
+    "dp2-ep2": dict(data_parallel=2, expert_parallel=2),
+    "dp2-tp2-ep2": dict(data_parallel=2, tensor_parallel=2, expert_parallel=2),
 }
 # A resumed cell continues under another layout of the same world size (the first that its ZeRO
 # stage allows): the checkpoint must reshard. Every data-parallel size here divides the sample
@@ -86,9 +92,11 @@ PARTNERS: dict[str, tuple[str, ...]] = {
     "dp2": ("tp2", "pp2"), "tp2": ("pp2-dpv", "dp2"), "pp2": ("dp2", "tp2"), "pp2-zbv": ("dp2", "tp2"), "pp2-dpv": ("pp2-zbv", "dp2"),
     "dp2-tp2": ("tp2-pp2-v2", "tp4"), "dp2-pp2": ("dp2-tp2",), "tp2-pp2-v2": ("dp2-tp2",), "dp2-tp2-pp2": ("dp2-tp4",),
     "pp2-zb": ("dp2", "tp2"), "cp2": ("dp2", "tp2"), "dp2-cp2": ("cp2-tp2", "dp2-tp2"), "cp2-tp2": ("dp2-cp2", "tp4"), "cp2-pp2": ("dp2-cp2", "dp2-tp2"),
+    "dp2-ep2": ("tp2", "pp2"), "dp2-tp2-ep2": ("dp2-cp2", "dp2-tp2"),
 }
 
 MODEL = dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32)
+EXPERTS = dict(n_experts=4, top_k=2, moe_every=2, expert_hidden=32, n_shared_experts=1, moe_z_loss=1e-3)  # experts="moe"
 GLOBAL_BATCH = 8
 # 3 batches an epoch: 8, 8, 8 or 8, 8, 6 (even per replica at dp 2); "odd" (8, 8, 5) is for one replica.
 SAMPLES = {"even": 24, "ragged": 22, "odd": 21}
@@ -115,6 +123,7 @@ class Cell:
     params: str = "all"
     optimizers: str = "one"
     resume: str = "no"
+    experts: str = "none"
     forwards: int = 1  # not a matrix factor: model calls per training step (tests of the pipeline)
 
     @property
@@ -129,7 +138,7 @@ class Cell:
 
     def reference_key(self) -> tuple:
         """What the one-process reference depends on: the math, not the layout."""
-        return (self.accumulate, self.clip, self.targets, self.last_batch, self.params, self.optimizers, self.forwards)
+        return (self.accumulate, self.clip, self.targets, self.last_batch, self.params, self.optimizers, self.forwards, self.experts)
 
 
 def world_of(layout: str) -> int:
@@ -145,6 +154,8 @@ RULES: list[tuple[tuple[str, ...], Callable[[dict[str, Any]], bool], str]] = [
     (("offload", "zero"), lambda c: c["offload"] == "nvme" and c["zero"] == 3, r"NVMe offload with zero_stage=3"),
     # at set-up, when the optimizers exist: the matrix's second optimizer is SGD
     (("offload", "optimizers"), lambda c: c["offload"] == "nvme" and c["optimizers"] == "two", r"offload_optimizer='nvme' streams Adam/AdamW state; SGD is not supported there"),
+    (("layout", "experts"), lambda c: LAYOUTS[c["layout"]].get("expert_parallel", 1) > 1 and c["experts"] == "none", r"splits the experts of mixture-of-experts layers, but the model has none"),
+    (("experts", "sequence_parallel", "layout"), lambda c: c["experts"] == "moe" and c["sequence_parallel"] and LAYOUTS[c["layout"]].get("tensor_parallel", 1) > 1, r"which take every token on every tensor-parallel rank"),
 ]
 
 
@@ -225,7 +236,7 @@ def full_matrix() -> list[Cell]:
     """``make test-matrix``: the full product of the core factors (layout x ZeRO x precision x
     accumulation) with every value of every other factor, one feature at a time, plus the 3-wise
     covering array (every triple of values, so features also meet each other and the core in threes).
-    The literal product of all thirteen factors (see :func:`product_size`) would take weeks here."""
+    The literal product of all fourteen factors (see :func:`product_size`) would take weeks here."""
     cells: list[Cell] = []
     features = [n for n in FACTORS if n not in CORE]
     for core in itertools.product(*[FACTORS[n] for n in CORE]):
@@ -257,7 +268,7 @@ class MatrixGPT(GPTModule):
 
     def __init__(self, cell: Cell) -> None:
         # a fixed schedule length: a resumed cell runs epoch 1 alone first and must see the same LRs
-        super().__init__(GPTConfig(**MODEL), lr=LR, warmup_steps=1, decay_steps=8)
+        super().__init__(GPTConfig(**MODEL, **(EXPERTS if cell.experts == "moe" else {})), lr=LR, warmup_steps=1, decay_steps=8)
         self.cell = cell
         self.automatic_optimization = cell.optimizers == "one"
         self.unused: Optional[nn.Linear] = None
