@@ -88,7 +88,7 @@ def problem_from_config(
         raise ValueError(
             f"model.n_experts={model_cfg['n_experts']}: the planner does not count experts' parameters, memory or "
             f"all-to-all traffic yet (issue 34); choose the layout yourself (mixture-of-experts models train under "
-            f"data and expert parallelism and ZeRO in this version)."
+            f"every degree, expert_parallel included: docs/moe.md)."
         )
     cluster = with_nodes(load_cluster(cfg.cluster), nodes)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
