@@ -168,6 +168,7 @@ EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4
     "tp2_zero3": dict(data_parallel=2, tensor_parallel=2, zero_stage=3),
 }
 PIPELINED = {"n_layer": 4, "moe_every": 1}  # pipelined cells: an MoE layer in each of zb_v's four pieces
+DENSE_FIRST_STAGE = {"n_layer": 4, "moe_every": 4}  # at pp2, only the last stage has an MoE block
 
 
 def _ep_world(root: str) -> dict[str, Any]:
@@ -181,6 +182,8 @@ def _ep_world(root: str) -> dict[str, Any]:
     checks["saved"] = lambda: _ep_fit(saved, 2, expert_parallel=2)
     for ep in (1, 4):  # a fresh Trainer and model at another expert_parallel, from the ep2 checkpoint
         checks[f"resumed_ep{ep}"] = lambda ep=ep: _ep_fit(None, EP_STEPS, f"{saved}/step=2.ckpt", expert_parallel=ep)
+    # a first stage without MoE blocks (review: it raised alone, and the other stage's ranks hung)
+    checks["dense_stage"] = lambda: _ep_fit(None, EP_STEPS, model=DENSE_FIRST_STAGE, data_parallel=2, pipeline_parallel=2, expert_parallel=2)
     checks["ep3"] = lambda: _refused(lambda: _ep_fit(None, 1, expert_parallel=3))
     checks["dense"] = lambda: _refused(_dense_at_ep2)
     checks["guard"] = _moved_expert_slice
@@ -222,6 +225,7 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
 
     single = run_on_ranks(_ep_fit, 1, None, EP_STEPS, timeout=300)[0]
     pipelined = run_on_ranks(_ep_fit, 1, None, EP_STEPS, model=PIPELINED, timeout=300)[0]
+    dense_first = run_on_ranks(_ep_fit, 1, None, EP_STEPS, model=DENSE_FIRST_STAGE, timeout=300)[0]
     ranks = run_on_ranks(_ep_world, 4, str(tmp_path), timeout=900)
 
     def mean(name: str) -> list[float]:
@@ -229,7 +233,7 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
 
     def same_weights(name: str, want: dict[str, Any] = single) -> None:  # SGD: a weight's update is lr x its gradient
         got = result_of(ranks[0], name)["weights"]
-        if name.startswith("pp2"):  # the last stage's (ranks 2 and 3) weights too
+        if name.startswith("pp2") or name == "dense_stage":  # the last stage's (ranks 2 and 3) weights too
             got = {**got, **result_of(ranks[2], name)["weights"]}
         assert_same_weights(got, want["weights"], name)
 
@@ -237,6 +241,8 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
         want = pipelined if name.startswith("pp2") else single
         np.testing.assert_allclose(mean(name), want["losses"], rtol=1e-5, err_msg=name)
         same_weights(name, want)
+    np.testing.assert_allclose(mean("dense_stage"), dense_first["losses"], rtol=1e-5)
+    same_weights("dense_stage", dense_first)
     np.testing.assert_allclose(mean("saved"), single["losses"][:2], rtol=1e-5)
     for ep in (1, 4):
         np.testing.assert_allclose(mean(f"resumed_ep{ep}"), single["losses"][2:], rtol=1e-5, err_msg=f"resumed at ep{ep}")

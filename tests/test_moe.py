@@ -324,3 +324,15 @@ def test_hugging_face_moe_models_are_not_pipelined_without_their_router_loss():
     model = transformers.MixtralForCausalLM(config)
     why = adapter_for(model).pipeline_refusal(model)
     assert why is not None and "mixture-of-experts layers (n_experts=4)" in why and "pipeline_parallel=1" in why, why
+
+
+def test_tensor_parallel_must_divide_the_experts_and_the_shared_experts_width():
+    """Refused by the layout rules, before set-up, on every rank alike (review: the shared experts'
+    width was checked while splitting them, on the stages that hold them only)."""
+    from lightning_3d.core.layout_rules import ModelDims, model_refusals
+
+    dims = ModelDims(n_layer=2, hidden=32, n_head=4, n_kv_head=4, ffn=128, n_experts=6, shared_expert_width=33)
+    rules = {r.rule: r.message for r in model_refusals(tp=2, pp=1, ep=2, model=dims)}
+    assert "expert_parallel=2 x tensor_parallel=2 = 4 ranks split the model's 6 routed experts" in rules["expert_tensor_parallel_divides_experts"]
+    assert "shared experts, of width 33" in rules["tensor_parallel_divides_shared_experts"]
+    assert not model_refusals(tp=2, pp=1, ep=1, model=ModelDims(2, 32, 4, 4, 128, n_experts=4, shared_expert_width=32))

@@ -72,6 +72,7 @@ class ModelDims:
     seq_len: Optional[int] = None
     labels: dict[str, str] = field(default_factory=dict, compare=False)
     n_experts: int = 0  # routed experts of its MoE layers (0: a dense model)
+    shared_expert_width: int = 0  # the width of their shared experts (tensor parallelism splits it)
 
 
 DEFAULT_LABELS = {key: key for key in ("n_layer", "hidden", "n_head", "n_kv_head", "ffn", "seq_len")}
@@ -223,6 +224,13 @@ def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1, seque
             f"expert_parallel={ep} x tensor_parallel={tp} = {ep * tp} ranks split the model's {experts} routed experts "
             f"(n_experts={experts}) between them, which it does not divide; choose degrees whose product divides "
             f"{experts} ({_divisors(experts)}).",
+        ))
+    shared = int(getattr(model, "shared_expert_width", 0) or 0)
+    if experts and tp > 1 and shared % tp:
+        out.append(Refusal(
+            "tensor_parallel_divides_shared_experts",
+            f"tensor_parallel={tp} splits the MoE layers' shared experts, of width {shared} (n_shared_experts x "
+            f"expert_hidden), which it does not divide; choose one of {_divisors(shared)}.",
         ))
     if experts and tp > 1 and sequence_parallel:
         out.append(Refusal(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_3d.checkpoint.pretrained import has_pretrained, load_pretrained_, pretrained_models
@@ -120,7 +121,7 @@ def parallelize(
         if zero is not None:
             zero.module_moved(module)  # FSDP2 re-creates its parameters when moved
         synchronize_replicas(module, topology, pipelines, device)
-    apply_expert_parallelism(module, topology)
+    apply_expert_parallelism(module, topology, device)
     if zero is None:
         zero = ZeroCoordinator(
             config.sharding.zero_stage,
@@ -205,16 +206,23 @@ def refuse_foreign_experts(root: nn.Module, config: ParallelConfig) -> None:
             )
 
 
-def apply_expert_parallelism(root: nn.Module, topology: Topology) -> int:
+def apply_expert_parallelism(root: nn.Module, topology: Topology, device: Optional[torch.device] = None) -> int:
     """Split the experts of every ``lightning_3d.moe`` layer in ``root`` over the expert group and the
-    tensor-parallel ranks (a no-op at expert_parallel=1, tensor_parallel=1); returns how many layers."""
+    tensor-parallel ranks (a no-op at expert_parallel=1, tensor_parallel=1); returns how many layers
+    this rank holds. Under a pipeline a stage may hold none: the refusal of a model without any
+    counts them over the pipeline first, so that every rank raises or none does."""
     if topology.ep_size == 1 and topology.dims.tp == 1:
         return 0
     tp = topology.tp_group if topology.dims.tp > 1 else None
     found = apply_expert_parallel(
         root, topology.expert_group, topology.expert_replica_mesh, tp_group=tp, owners=topology.expert_tensor_group()
     )
-    if not found and topology.ep_size > 1:
+    anywhere = found
+    if topology.ep_size > 1 and topology.dims.pp > 1:
+        total = torch.tensor(float(found), device=device)
+        dist.all_reduce(total, group=topology.pp_group)
+        anywhere = int(total.item())
+    if not anywhere and topology.ep_size > 1:
         raise NotImplementedError(
             f"expert_parallel={topology.ep_size} found no lightning_3d.moe.MoE layer in {type(root).__name__}: expert "
             f"parallelism splits the grouped experts of lightning_3d's MoE layers (the reference GPT with n_experts); "

@@ -305,7 +305,7 @@ class GPTAdapter(ModelAdapter):
         names = dict(n_layer="n_layer", hidden="n_embd", n_head="n_head", n_kv_head="n_kv_head", ffn="ffn_dim")
         return ModelDims(
             c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.ffn_dim, labels={k: f"GPTConfig.{v}" for k, v in names.items()},
-            n_experts=c.n_experts,
+            n_experts=c.n_experts, shared_expert_width=c.n_shared_experts * c.expert_dim if c.n_experts else 0,
         )
 
     def model_shape(self, model: nn.Module, seq_len: int) -> ModelShape:
