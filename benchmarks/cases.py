@@ -411,3 +411,33 @@ def ep2_vs_ep1(steps: int, repeats: int) -> dict[str, Any]:
     from moe_cases import ep2_vs_ep1 as compare
 
     return compare(steps, repeats)
+
+
+@case
+def plan_wall_time(steps: int, repeats: int) -> dict[str, Any]:
+    """``lightning-3d plan recipe=llama3_70b`` end to end in a fresh process (issue 37: under 2 s on
+    a quiet 2-core machine), the median of ``repeats + 2`` runs, with a fixed Python loop's time as
+    the machine's speed at that moment (0.4 s when quiet here)."""
+    import subprocess
+    import sys
+    import time
+
+    def calibration() -> float:
+        start = time.perf_counter()
+        sum(i * i for i in range(10**7))
+        return time.perf_counter() - start
+
+    command = [sys.executable, "-c", "from lightning_3d.apps.cli import main; raise SystemExit(main(['plan', 'recipe=llama3_70b']))"]
+    walls, loops = [], []
+    for _ in range(repeats + 2):
+        loops.append(calibration())
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        walls.append(time.perf_counter() - start)
+    return {
+        "case": "plan_wall_time",
+        "command": "lightning-3d plan recipe=llama3_70b",
+        "median_s": round(statistics.median(walls), 3),
+        "runs_s": [round(w, 3) for w in walls],
+        "calibration_loop_s": round(statistics.median(loops), 3),
+    }

@@ -529,3 +529,17 @@ def test_v_schedules_put_the_head_beside_the_embedding() -> None:
     assert first + last == pytest.approx(planner.stage_psi(one, layers, 0) + planner.stage_psi(one, layers, 1) - (
         planner.problem.model.vocab * planner.problem.model.hidden / 2 if planner.problem.model.tied_embeddings else 0))
     assert "zb_v" in layout.short() and "interleaved" not in layout.short()
+
+
+def test_plan_imports_neither_torch_nor_lightning():
+    """Issue 37: ``lightning-3d plan`` is interactive; torch's import alone took 1.8 s of its 3.8 s.
+    The degrees' arithmetic (core.dims) and the pipeline schedules load without torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from lightning_3d.apps.cli import main; status = main(['plan', 'recipe=llama3_70b']); "
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules), status)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1] == "[] 0", proc.stdout[-2000:] + proc.stderr[-2000:]

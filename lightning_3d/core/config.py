@@ -38,7 +38,7 @@ from lightning_3d.core.layout_rules import (
     raise_refusals,
     world_refusals,
 )
-from lightning_3d.core.topology import Degree, ParallelDims
+from lightning_3d.core.dims import Degree, ParallelDims
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")

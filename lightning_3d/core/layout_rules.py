@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
-from lightning_3d.core.topology import ParallelDims
+from lightning_3d.core.dims import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")  # docs/pipeline.md
 INTERLEAVED = "interleaved_1f1b"
