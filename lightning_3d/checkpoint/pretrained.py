@@ -21,6 +21,11 @@ How a rank's local tensor relates to the dense tensor in the file:
 
 Buffers are built for real (the rotary ``inv_freq`` keeps its computed values); persistent ones are
 read from the file too.
+
+Tensors transformers merges when it loads (a mixture of experts' per-expert matrices stacked into
+one ``experts.gate_up_proj`` / ``experts.down_proj``, its ``conversion_mapping``): the stack is built
+from the file's per-expert tensors with the mapping's own operations (stack, then concatenate), then
+cut like any dense tensor. Each rank reads one stack at a time, whole.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class PretrainedSource:
     directory: Path
     keys: Mapping[str, str]
     files: Mapping[str, Path] = field(repr=False)
+    merged: Mapping[str, "Merged"] = field(default_factory=dict, repr=False)  # names built from several keys
 
     def locate(self, name: str) -> tuple[Path, str]:
         """(file, checkpoint key) for a parameter or buffer name of the model."""
@@ -184,6 +190,56 @@ def _candidates(name: str, tied: list[str], base_prefix: str) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class Merged:
+    """A tensor transformers builds from several checkpoint tensors: per source pattern the keys, in
+    expert order, stacked along ``stack_dim``; the stacks then concatenated along ``concat_dim``."""
+
+    keys: tuple[tuple[str, ...], ...]
+    stack_dim: int
+    concat_dim: Optional[int]
+
+
+def _merging_conversions(model: nn.Module) -> list[tuple[list[str], str, int, Optional[int]]]:
+    """(source patterns, target suffix, stack dim, concat dim) of the conversions transformers applies
+    to ``model``'s checkpoints that stack a module list (``MergeModulelist``), then optionally
+    concatenate (``Concatenate``): the MoE families' expert weights. Other operations are left out
+    (their tensors are then reported missing, by name)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return []
+    out = []
+    for transform in get_model_conversion_mapping(model, add_legacy=False):
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(transform, "operations", ())]
+        targets = getattr(transform, "target_patterns", ())
+        if type(transform).__name__ != "WeightConverter" or len(targets) != 1 or getattr(transform, "scope_prefix", None):
+            continue
+        if ops and ops[0][0] == "MergeModulelist" and len(ops) <= 2 and (len(ops) == 1 or ops[1][0] == "Concatenate"):
+            out.append((list(transform.source_patterns), targets[0], ops[0][1], ops[1][1] if len(ops) == 2 else None))
+    return out
+
+
+def _merged_source(name: str, renamed_keys: Mapping[str, str], conversions: list[tuple[list[str], str, int, Optional[int]]]) -> Optional[Merged]:
+    """The checkpoint keys a merged parameter ``name`` is built from (``renamed_keys``: the file's keys
+    under transformers' renamings -> the keys as stored), or None."""
+    for sources, target, stack_dim, concat_dim in conversions:
+        if not name.endswith(target):
+            continue
+        prefix = name[: len(name) - len(target)]
+        lists = []
+        for pattern in sources:
+            regex = re.compile(re.escape(prefix + pattern).replace(r"\*", r"(\d+)") + "$")
+            found = sorted((int(m.group(1)), stored) for new, stored in renamed_keys.items() if (m := regex.match(new)))
+            if not found or [i for i, _ in found] != list(range(len(found))):
+                break
+            lists.append(tuple(stored for _, stored in found))
+        else:
+            if len({len(keys) for keys in lists}) == 1:
+                return Merged(tuple(lists), stack_dim, concat_dim)
+    return None
+
+
 def _key_renames(model: nn.Module) -> list[tuple[str, str]]:
     """(pattern, replacement) pairs of the plain key renamings transformers applies when it loads a
     checkpoint of ``model``'s class (``conversion_mapping``); conversions that merge tensors are not
@@ -223,13 +279,24 @@ def _resolve(model: nn.Module, directory: Path, files: Mapping[str, Path]) -> Pr
     tensors = [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]
     renames = _key_renames(model)
     renamed = {new: old for old in shapes if (new := _renamed(old, renames)) != old}
+    conversions = _merging_conversions(model)
     keys: dict[str, str] = {}
+    merged: dict[str, Merged] = {}
     missing: list[str] = []
     mismatched: list[str] = []
     for name, t in tensors:
         key = next((k for k in _candidates(name, tied.get(name, []), base_prefix) if k in shapes), None)
         if key is None:  # a key transformers renames when it loads (GPT-NeoX's embed_out -> lm_head)
             key = next((renamed[k] for k in _candidates(name, tied.get(name, []), base_prefix) if k in renamed), None)
+        if key is None and conversions:  # a tensor transformers builds from several (stacked experts)
+            stored_as = {**{k: k for k in shapes}, **renamed}
+            found = next((m for c in _candidates(name, tied.get(name, []), base_prefix) if (m := _merged_source(c, stored_as, conversions))), None)
+            if found is not None:
+                merged[name] = found
+                shape = _merged_shape([[shapes[k] for k in keys_] for keys_ in found.keys], found)
+                if shape != tuple(t.shape):
+                    mismatched.append(f"{name} (built from {found.keys[0][0]}, ...): shape {list(shape)}, model expects {list(t.shape)}")
+                continue
         if key is None:
             missing.append(name)
             continue
@@ -247,7 +314,21 @@ def _resolve(model: nn.Module, directory: Path, files: Mapping[str, Path]) -> Pr
             f"{directory}: {len(mismatched)} tensor(s) of the checkpoint do not have the shape the model built from "
             f"config.json expects: {'; '.join(mismatched[:5])}{' ...' if len(mismatched) > 5 else ''}."
         )
-    return PretrainedSource(directory=directory, keys=keys, files={k: files[k] for k in set(keys.values())})
+    used = set(keys.values()) | {k for m in merged.values() for keys_ in m.keys for k in keys_}
+    return PretrainedSource(directory=directory, keys=keys, files={k: files[k] for k in used}, merged=merged)
+
+
+def _merged_shape(shapes: list[list[tuple[int, ...]]], merged: Merged) -> tuple[int, ...]:
+    """The shape of a merged tensor from its sources' shapes (without reading them)."""
+    stacks = []
+    for per_expert in shapes:
+        shape = list(per_expert[0])
+        shape.insert(merged.stack_dim, len(per_expert))
+        stacks.append(shape)
+    out = list(stacks[0])
+    if merged.concat_dim is not None:
+        out[merged.concat_dim] = sum(s[merged.concat_dim] for s in stacks)
+    return tuple(out)
 
 
 # -- which part of the dense tensor a rank holds ------------------------------------------------------------
@@ -418,10 +499,27 @@ def _load_buffers_(model: nn.Module, source: PretrainedSource, handle: Any, devi
 
 
 def _load_(p: Tensor, name: str, source: PretrainedSource, handle: Any) -> None:
-    path, key = source.locate(name)
     spec = get_spec(p)
     target, rows = _held(p)
+    if name in source.merged:
+        _read_merged_into(source, source.merged[name], handle, target, spec, rows)
+        return
+    path, key = source.locate(name)
     _read_into(handle(path), key, target, spec, name, source.directory, _expected_dense_shape(p, spec), rows)
+
+
+def _read_merged_into(
+    source: PretrainedSource, merged: Merged, handle: Any, target: Tensor, spec: Optional[TPSpec], rows: Optional[tuple[int, int]]
+) -> None:
+    """Build a merged tensor as transformers does (stack each source list, then concatenate), then
+    keep this rank's part of it (its tensor-parallel or expert slice, its ZeRO-3 rows)."""
+    stacks = [torch.stack([handle(source.files[k]).read(k) for k in keys], dim=merged.stack_dim) for keys in merged.keys]
+    dense = torch.cat(stacks, dim=merged.concat_dim) if merged.concat_dim is not None else stacks[0]
+    index, transposed = local_slice_index(tuple(dense.shape), spec, rows)
+    for dim, idx in enumerate(index):
+        if idx is not None:
+            dense = dense.index_select(dim, idx)
+    (target.t() if transposed else target).copy_(dense)
 
 
 def _read_into(
