@@ -203,7 +203,8 @@ SAMPLE_LAYOUT = {
     "phi3": "zero3", "olmo2": "tp2", "granite": "pp2", "gpt2": "cp2-ring", "gpt_neox": "tp2-sp", "starcoder2": "zero3",
 }
 SAMPLE_TWO = [(kind, SAMPLE_LAYOUT[kind]) for kind in FAMILIES] + [(kind, "zero3") for kind in NO_PLAN]
-SAMPLE_TWO += [("mixtral", "dp2-zero1"), ("qwen3_moe", "zero3"), ("olmoe", "dp2-zero1"), ("deepseek_v3", "zero3")]
+# (two of the four MoE families, one per layout; the others in make test-slow's product)
+SAMPLE_TWO += [("mixtral", "dp2-zero1"), ("deepseek_v3", "zero3")]
 SAMPLE_EIGHT = [("llama", "dp2tp2pp2"), ("qwen3", "dp2tp2pp2-sp"), ("gpt2", "cp2tp2pp2")]
 
 
