@@ -18,7 +18,7 @@ from lightning_3d.plugins.registration import register_when_lightning_loads
 _HOMES = {
     "Coordinates": "lightning_3d.core.topology",
     "ParallelConfig": "lightning_3d.core.config",
-    "ParallelDims": "lightning_3d.core.topology",
+    "ParallelDims": "lightning_3d.core.dims",
     "ThreeDParallelStrategy": "lightning_3d.plugins.strategy",
     "Topology": "lightning_3d.core.topology",
     "from_pretrained": "lightning_3d.checkpoint.pretrained",

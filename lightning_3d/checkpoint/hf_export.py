@@ -127,8 +127,10 @@ def export_plan(
 
 # -- checks before writing ------------------------------------------------------------------------------
 def _reference_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes ``save_pretrained`` would write for ``config``'s causal-LM model (built on the meta
-    device: no memory); a weight tied to an earlier one is left out, as save_pretrained does."""
+    """Keys and shapes of ``config``'s causal-LM model as transformers holds it (built on the meta
+    device: no memory); a weight tied to an earlier one is left out, as save_pretrained does. These
+    are save_pretrained's keys except where transformers 5 merges tensors on load (an MoE family's
+    experts, stacked): the export writes the stack, which transformers 5 loads as is."""
     import transformers
 
     with torch.device("meta"):

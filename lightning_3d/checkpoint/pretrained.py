@@ -25,7 +25,8 @@ read from the file too.
 Tensors transformers merges when it loads (a mixture of experts' per-expert matrices stacked into
 one ``experts.gate_up_proj`` / ``experts.down_proj``, its ``conversion_mapping``): the stack is built
 from the file's per-expert tensors with the mapping's own operations (stack, then concatenate), then
-cut like any dense tensor. Each rank reads one stack at a time, whole.
+cut like any dense tensor, one stack at a time. When the stack is along the experts (dim 0), a ZeRO-3
+rank reads only the experts its rows hold; otherwise the rank reads the whole stack.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import re
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -198,6 +199,7 @@ class Merged:
     keys: tuple[tuple[str, ...], ...]
     stack_dim: int
     concat_dim: Optional[int]
+    piece_shapes: tuple[tuple[int, ...], ...] = ()  # per source pattern: each expert's tensor shape
 
 
 def _merging_conversions(model: nn.Module) -> list[tuple[list[str], str, int, Optional[int]]]:
@@ -236,7 +238,7 @@ def _merged_source(name: str, renamed_keys: Mapping[str, str], conversions: list
             lists.append(tuple(stored for _, stored in found))
         else:
             if len({len(keys) for keys in lists}) == 1:
-                return Merged(tuple(lists), stack_dim, concat_dim)
+                return Merged(tuple(lists), stack_dim, concat_dim)  # (piece shapes: filled in by _resolve)
     return None
 
 
@@ -280,6 +282,7 @@ def _resolve(model: nn.Module, directory: Path, files: Mapping[str, Path]) -> Pr
     renames = _key_renames(model)
     renamed = {new: old for old in shapes if (new := _renamed(old, renames)) != old}
     conversions = _merging_conversions(model)
+    stored_as = {**{k: k for k in shapes}, **renamed} if conversions else {}  # (the file's keys under transformers' names)
     keys: dict[str, str] = {}
     merged: dict[str, Merged] = {}
     missing: list[str] = []
@@ -289,11 +292,15 @@ def _resolve(model: nn.Module, directory: Path, files: Mapping[str, Path]) -> Pr
         if key is None:  # a key transformers renames when it loads (GPT-NeoX's embed_out -> lm_head)
             key = next((renamed[k] for k in _candidates(name, tied.get(name, []), base_prefix) if k in renamed), None)
         if key is None and conversions:  # a tensor transformers builds from several (stacked experts)
-            stored_as = {**{k: k for k in shapes}, **renamed}
             found = next((m for c in _candidates(name, tied.get(name, []), base_prefix) if (m := _merged_source(c, stored_as, conversions))), None)
             if found is not None:
+                per_source = [{shapes[k] for k in keys_} for keys_ in found.keys]
+                if any(len(s) != 1 for s in per_source):
+                    mismatched.append(f"{name}: the tensors it is built from ({found.keys[0][0]}, ...) differ in shape between experts")
+                    continue
+                found = replace(found, piece_shapes=tuple(next(iter(s)) for s in per_source))
                 merged[name] = found
-                shape = _merged_shape([[shapes[k] for k in keys_] for keys_ in found.keys], found)
+                shape = _merged_shape(found)
                 if shape != tuple(t.shape):
                     mismatched.append(f"{name} (built from {found.keys[0][0]}, ...): shape {list(shape)}, model expects {list(t.shape)}")
                 continue
@@ -318,12 +325,12 @@ def _resolve(model: nn.Module, directory: Path, files: Mapping[str, Path]) -> Pr
     return PretrainedSource(directory=directory, keys=keys, files={k: files[k] for k in used}, merged=merged)
 
 
-def _merged_shape(shapes: list[list[tuple[int, ...]]], merged: Merged) -> tuple[int, ...]:
+def _merged_shape(merged: Merged) -> tuple[int, ...]:
     """The shape of a merged tensor from its sources' shapes (without reading them)."""
     stacks = []
-    for per_expert in shapes:
-        shape = list(per_expert[0])
-        shape.insert(merged.stack_dim, len(per_expert))
+    for keys, piece in zip(merged.keys, merged.piece_shapes):
+        shape = list(piece)
+        shape.insert(merged.stack_dim, len(keys))
         stacks.append(shape)
     out = list(stacks[0])
     if merged.concat_dim is not None:
@@ -512,14 +519,27 @@ def _read_merged_into(
     source: PretrainedSource, merged: Merged, handle: Any, target: Tensor, spec: Optional[TPSpec], rows: Optional[tuple[int, int]]
 ) -> None:
     """Build a merged tensor as transformers does (stack each source list, then concatenate), then
-    keep this rank's part of it (its tensor-parallel or expert slice, its ZeRO-3 rows)."""
-    stacks = [torch.stack([handle(source.files[k]).read(k) for k in keys], dim=merged.stack_dim) for keys in merged.keys]
+    keep this rank's part of it (its tensor-parallel or expert slice, its ZeRO-3 rows). When the
+    stack is along dim 0 (the experts), only the experts this rank holds are read."""
+    shape = _merged_shape(merged)
+    index, transposed = local_slice_index(shape, spec, rows)
+    keys = merged.keys
+    if merged.stack_dim == 0 and index and index[0] is not None and bool((index[0] >= 0).all()):
+        chosen = index[0].tolist()  # (a ZeRO-3 rank's experts: the others are never read)
+        keys = tuple(tuple(per_expert[i] for i in chosen) for per_expert in keys)
+        index = [None, *index[1:]]
+    stacks = [torch.stack([handle(source.files[k]).read(k) for k in per_expert], dim=merged.stack_dim) for per_expert in keys]
     dense = torch.cat(stacks, dim=merged.concat_dim) if merged.concat_dim is not None else stacks[0]
-    index, transposed = local_slice_index(tuple(dense.shape), spec, rows)
     for dim, idx in enumerate(index):
         if idx is not None:
             dense = dense.index_select(dim, idx)
-    (target.t() if transposed else target).copy_(dense)
+    out = target.t() if transposed else target
+    if tuple(dense.shape) != tuple(out.shape):
+        raise ValueError(
+            f"{source.directory}: this rank's part of the tensor built from {merged.keys[0][0]}, ... has shape "
+            f"{list(dense.shape)}, but the parameter holds {list(out.shape)}; its spec does not describe it."
+        )
+    out.copy_(dense)
 
 
 def _read_into(

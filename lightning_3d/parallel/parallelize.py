@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_3d.checkpoint.pretrained import has_pretrained, load_pretrained_, pretrained_models
@@ -92,6 +91,7 @@ def parallelize(
     config.check_models(models_in(module), tensor_parallel_plan=user_plan is None)
     refuse_foreign_experts(module, config)
     remove_context_parallel(module)  # an earlier set-up's (validate before fit): rebuilt below, in order
+    moe_layers = sum(isinstance(m, MoE) for m in module.modules())  # (before the pipeline keeps this stage's)
     if config.layout.tensor_parallel > 1:
         apply_tensor_parallel(module, topology, config, rng_tracker, user_plan)
     cp = context_parallel_of(topology, config)
@@ -121,7 +121,7 @@ def parallelize(
         if zero is not None:
             zero.module_moved(module)  # FSDP2 re-creates its parameters when moved
         synchronize_replicas(module, topology, pipelines, device)
-    apply_expert_parallelism(module, topology, device)
+    apply_expert_parallelism(module, topology, model_has_experts=moe_layers > 0)
     if zero is None:
         zero = ZeroCoordinator(
             config.sharding.zero_stage,
@@ -206,22 +206,19 @@ def refuse_foreign_experts(root: nn.Module, config: ParallelConfig) -> None:
             )
 
 
-def apply_expert_parallelism(root: nn.Module, topology: Topology, device: Optional[torch.device] = None) -> int:
+def apply_expert_parallelism(root: nn.Module, topology: Topology, model_has_experts: Optional[bool] = None) -> int:
     """Split the experts of every ``lightning_3d.moe`` layer in ``root`` over the expert group and the
     tensor-parallel ranks (a no-op at expert_parallel=1, tensor_parallel=1); returns how many layers
-    this rank holds. Under a pipeline a stage may hold none: the refusal of a model without any
-    counts them over the pipeline first, so that every rank raises or none does."""
+    this rank holds. Under a pipeline a stage may hold none: ``model_has_experts`` (counted before
+    the split, the same on every rank) decides whether a model without any is refused, so that
+    every rank raises or none does; ``None``: this rank's layers decide (no pipeline)."""
     if topology.ep_size == 1 and topology.dims.tp == 1:
         return 0
     tp = topology.tp_group if topology.dims.tp > 1 else None
     found = apply_expert_parallel(
         root, topology.expert_group, topology.expert_replica_mesh, tp_group=tp, owners=topology.expert_tensor_group()
     )
-    anywhere = found
-    if topology.ep_size > 1 and topology.dims.pp > 1:
-        total = torch.tensor(float(found), device=device)
-        dist.all_reduce(total, group=topology.pp_group)
-        anywhere = int(total.item())
+    anywhere = bool(found) if model_has_experts is None else model_has_experts
     if not anywhere and topology.ep_size > 1:
         raise NotImplementedError(
             f"expert_parallel={topology.ep_size} found no lightning_3d.moe.MoE layer in {type(root).__name__}: expert "
