@@ -336,3 +336,19 @@ def test_tensor_parallel_must_divide_the_experts_and_the_shared_experts_width():
     assert "expert_parallel=2 x tensor_parallel=2 = 4 ranks split the model's 6 routed experts" in rules["expert_tensor_parallel_divides_experts"]
     assert "shared experts, of width 33" in rules["tensor_parallel_divides_shared_experts"]
     assert not model_refusals(tp=2, pp=1, ep=1, model=ModelDims(2, 32, 4, 4, 128, n_experts=4, shared_expert_width=32))
+
+
+def test_a_model_whose_every_block_has_experts_is_not_held_to_its_dense_mlp_width():
+    """(review) The dense MLP width was checked against tp even when no block has a dense MLP."""
+    from lightning_3d.core.layout_rules import model_refusals
+    from lightning_3d.models.adapters.registry import adapter_for
+    from lightning_3d.models.gpt import GPT, GPTConfig
+
+    def refusals(moe_every: int) -> list[str]:
+        config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, ffn_hidden=33, **{**MOE_GPT, "moe_every": moe_every})
+        with torch.device("meta"):
+            model = GPT(config)
+        return [r.message for r in model_refusals(tp=2, pp=1, model=adapter_for(model).dims(model))]
+
+    assert not refusals(1)
+    assert any("ffn_dim=33 is not divisible by tensor_parallel=2" in m for m in refusals(2))

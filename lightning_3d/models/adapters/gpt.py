@@ -303,8 +303,10 @@ class GPTAdapter(ModelAdapter):
     def dims(self, model: nn.Module) -> ModelDims:
         c = model.config
         names = dict(n_layer="n_layer", hidden="n_embd", n_head="n_head", n_kv_head="n_kv_head", ffn="ffn_dim")
+        # every block an MoE layer: no dense MLP for tensor parallelism to split (0 divides by any tp)
+        ffn = 0 if c.n_experts and c.moe_blocks == c.n_layer else c.ffn_dim
         return ModelDims(
-            c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.ffn_dim, labels={k: f"GPTConfig.{v}" for k, v in names.items()},
+            c.n_layer, c.n_embd, c.n_head, c.kv_heads, ffn, labels={k: f"GPTConfig.{v}" for k, v in names.items()},
             n_experts=c.n_experts, shared_expert_width=c.n_shared_experts * c.expert_dim if c.n_experts else 0,
         )
 
