@@ -259,6 +259,8 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
 SKEWS = {"one_expert_takes_every_token": (30.0,), "rank_1_receives_nothing": (30.0, 25.0)}
 
 
+# make test-slow: make test runs the one-sided exchange at the layer (test_expert_parallel_layer_matches_one_process
+# [ep2-one-sided]) and expert parallelism through the strategy (the 4-rank test above)
 @pytest.mark.slow
 @pytest.mark.parametrize("skew", list(SKEWS), ids=list(SKEWS))
 def test_skewed_routing_trains_200_steps_at_ep2_without_a_hang_or_a_wrong_gradient(skew):
