@@ -155,7 +155,6 @@ RULES: list[tuple[tuple[str, ...], Callable[[dict[str, Any]], bool], str]] = [
     # at set-up, when the optimizers exist: the matrix's second optimizer is SGD
     (("offload", "optimizers"), lambda c: c["offload"] == "nvme" and c["optimizers"] == "two", r"offload_optimizer='nvme' streams Adam/AdamW state; SGD is not supported there"),
     (("layout", "experts"), lambda c: LAYOUTS[c["layout"]].get("expert_parallel", 1) > 1 and c["experts"] == "none", r"splits the experts of mixture-of-experts layers, but the model has none"),
-    (("experts", "sequence_parallel", "layout"), lambda c: c["experts"] == "moe" and c["sequence_parallel"] and LAYOUTS[c["layout"]].get("tensor_parallel", 1) > 1, r"which take every token on every tensor-parallel rank"),
 ]
 
 

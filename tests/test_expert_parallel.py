@@ -166,6 +166,7 @@ EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4
     "pp2_ep2_zb_v": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2, pipeline_schedule="zb_v"),
     "tp2_ep2": dict(data_parallel=2, tensor_parallel=2, expert_parallel=2),  # one expert per rank of ep x tp
     "tp2_zero3": dict(data_parallel=2, tensor_parallel=2, zero_stage=3),
+    "tp2_sp_ep2": dict(data_parallel=2, tensor_parallel=2, sequence_parallel=True, expert_parallel=2, zero_stage=1),
 }
 PIPELINED = {"n_layer": 4, "moe_every": 1}  # pipelined cells: an MoE layer in each of zb_v's four pieces
 DENSE_FIRST_STAGE = {"n_layer": 4, "moe_every": 4}  # at pp2, only the last stage has an MoE block

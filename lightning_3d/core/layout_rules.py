@@ -201,7 +201,7 @@ def tensor_parallel_refusals(tp: int, model: ModelLike) -> list[Refusal]:
 def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1, sequence_parallel: bool = False) -> list[Refusal]:
     """Mixture-of-experts layers run under every degree and ZeRO stage: expert parallelism splits the
     routed experts, so it needs some, in a number it divides; under tensor parallelism the experts
-    are split over ``ep x tp`` ranks (the same rule), and sequence parallelism is not supported yet.
+    are split over ``ep x tp`` ranks (the same rule).
     (``cp`` and ``pp`` are kept for the callers: the set-up refuses MoE code that is not
     ``lightning_3d.moe`` under any degree.)"""
     experts = getattr(model, "n_experts", 0)
@@ -231,14 +231,6 @@ def expert_refusals(*, tp: int, pp: int, cp: int, model: Any, ep: int = 1, seque
             "tensor_parallel_divides_shared_experts",
             f"tensor_parallel={tp} splits the MoE layers' shared experts, of width {shared} (n_shared_experts x "
             f"expert_hidden), which it does not divide; choose one of {_divisors(shared)}.",
-        ))
-    if experts and tp > 1 and sequence_parallel:
-        out.append(Refusal(
-            "experts_without_sequence_parallel",
-            f"the model has mixture-of-experts layers (n_experts={experts}), which take every token on every "
-            f"tensor-parallel rank; sequence_parallel=True would hand them a sequence shard. Use sequence_parallel=False "
-            f"(MoE with sequence parallelism is not implemented yet).",
-            unsupported=True,
         ))
     return out
 

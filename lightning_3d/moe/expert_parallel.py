@@ -117,7 +117,8 @@ def _split_shared_experts(shared: nn.Module, tp: Any) -> None:
 
 
 def apply_expert_parallel(
-    module: nn.Module, group: Any = None, replica_mesh: Any = None, tp_group: Any = None, owners: Any = None
+    module: nn.Module, group: Any = None, replica_mesh: Any = None, tp_group: Any = None, owners: Any = None,
+    sequence_parallel: bool = False,
 ) -> int:
     """Split every MoE layer in ``module`` from outside; returns how many there are.
 
@@ -129,6 +130,8 @@ def apply_expert_parallel(
       partial sum, reduced over tp, and the router's gradient is summed over tp.
     * ``owners``: the group the experts are split over, ep-major (``ep x tp`` ranks; default:
       ``group``, else ``tp_group``).
+    * ``sequence_parallel``: the layers' inputs are sequence shards over ``tp_group``: they gather
+      every token first and reduce-scatter their output.
     """
     owners = owners if owners is not None else (group if group is not None else tp_group)
     count = 0
@@ -143,6 +146,7 @@ def apply_expert_parallel(
         layer.expert_group = group
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             layer.tp_group = tp_group
+            layer.sequence_parallel = sequence_parallel
             mark_sequence_parallel(layer.router.gate.weight, tp_group)  # (its gradient is partial on each tp rank)
             if layer.shared_experts is not None:
                 _split_shared_experts(layer.shared_experts, tp_group)

@@ -30,7 +30,12 @@ from torch.nn import functional as F
 from lightning_3d.moe.expert_parallel import dispatch_to_experts
 from lightning_3d.moe.experts import GroupedExperts, capacity
 from lightning_3d.moe.router import Routing, TopKRouter
-from lightning_3d.tensor_parallel.mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from lightning_3d.tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
 
 
 class SharedExperts(nn.Module):
@@ -105,6 +110,7 @@ class MoE(nn.Module):
         self.expert_group: Optional[Any] = None  # set by expert parallelism (moe/expert_parallel.py)
         self.sequence_group: Optional[Any] = None  # set under context parallelism (bind_sequence_group)
         self.tp_group: Optional[Any] = None  # set under tensor parallelism (moe/expert_parallel.py)
+        self.sequence_parallel = False  # under tensor parallelism: the input is this rank's sequence shard
 
     @property
     def n_experts(self) -> int:
@@ -112,11 +118,12 @@ class MoE(nn.Module):
         return self.router.n_experts
 
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
         tp = self.tp_group
         if tp is not None:  # each tp rank computes a share of every path below: input gradients are partial
-            tokens = copy_to_tensor_parallel(tokens, tp)
+            # (sequence parallel: every token first, the partial input gradients reduce-scattered back)
+            x = gather_from_sequence_parallel(x, tp) if self.sequence_parallel else copy_to_tensor_parallel(x, tp)
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
         sequences = shape[0] if len(shape) == 3 else 1
         keep = None
@@ -133,15 +140,16 @@ class MoE(nn.Module):
         out = tokens.new_zeros(tokens.shape, dtype=rows.dtype).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
+        out = out.view(shape)
         if tp is not None:  # the tp ranks' shares: routed rows of their experts, their slice of the shared experts
-            out = reduce_from_tensor_parallel(out, tp)
+            out = reduce_scatter_to_sequence_parallel(out, tp) if self.sequence_parallel else reduce_from_tensor_parallel(out, tp)
         self.aux_loss = self._aux_loss(routing, sequences) if self.training and torch.is_grad_enabled() else None
         if self.aux_loss is not None and tp is not None:
             # every tp rank computes the same auxiliary loss; the router's gradients are summed over tp (its
             # main-loss part is partial), so each rank backpropagates 1 / tp of it and reports all of it
             share = self.aux_loss / dist.get_world_size(tp)
             self.aux_loss = share + (self.aux_loss - share).detach()
-        return out.view(shape)
+        return out
 
     def _tensor_parallel_share(self, token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, tp: Any) -> tuple[Tensor, Tensor, Tensor]:
         """The rows (sorted by expert) of the experts this tp rank's expert group holds. The experts are

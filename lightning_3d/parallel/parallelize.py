@@ -121,7 +121,7 @@ def parallelize(
         if zero is not None:
             zero.module_moved(module)  # FSDP2 re-creates its parameters when moved
         synchronize_replicas(module, topology, pipelines, device)
-    apply_expert_parallelism(module, topology, model_has_experts=moe_layers > 0)
+    apply_expert_parallelism(module, topology, model_has_experts=moe_layers > 0, sequence_parallel=config.layout.sequence_parallel)
     if zero is None:
         zero = ZeroCoordinator(
             config.sharding.zero_stage,
@@ -206,7 +206,9 @@ def refuse_foreign_experts(root: nn.Module, config: ParallelConfig) -> None:
             )
 
 
-def apply_expert_parallelism(root: nn.Module, topology: Topology, model_has_experts: Optional[bool] = None) -> int:
+def apply_expert_parallelism(
+    root: nn.Module, topology: Topology, model_has_experts: Optional[bool] = None, sequence_parallel: bool = False
+) -> int:
     """Split the experts of every ``lightning_3d.moe`` layer in ``root`` over the expert group and the
     tensor-parallel ranks (a no-op at expert_parallel=1, tensor_parallel=1); returns how many layers
     this rank holds. Under a pipeline a stage may hold none: ``model_has_experts`` (counted before
@@ -216,7 +218,8 @@ def apply_expert_parallelism(root: nn.Module, topology: Topology, model_has_expe
         return 0
     tp = topology.tp_group if topology.dims.tp > 1 else None
     found = apply_expert_parallel(
-        root, topology.expert_group, topology.expert_replica_mesh, tp_group=tp, owners=topology.expert_tensor_group()
+        root, topology.expert_group, topology.expert_replica_mesh, tp_group=tp, owners=topology.expert_tensor_group(),
+        sequence_parallel=sequence_parallel,
     )
     anywhere = bool(found) if model_has_experts is None else model_has_experts
     if not anywhere and topology.ep_size > 1:
