@@ -84,6 +84,16 @@ def run_checks(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     return results
 
 
+def refusal_message(call: Callable[[], Any]) -> str:
+    """What ``call`` was refused with (a ``ValueError``, or a ``NotImplementedError``: refused before
+    step 1 all the same), or ``"not refused"``."""
+    try:
+        call()
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
+    return "not refused"
+
+
 def result_of(results: dict[str, Any], name: str) -> Any:
     """The check's value, or a test failure showing the rank's traceback."""
     import pytest

@@ -25,7 +25,7 @@ from lightning_3d.models import GPTConfig, GPTModule
 from lightning_3d.models.gpt import IGNORE_INDEX
 from lightning_3d.monitoring.callbacks import MemoryProbe
 from lightning_3d.testing.harness import run_on_ranks
-from tests.helpers import STEPS, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data
+from tests.helpers import STEPS, LossRecorder, quiet_trainer, refusal_message, result_of, run_checks, tiny_data
 
 GPT2 = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
 LLAMA = dict(GPT2, n_kv_head=2, ffn_hidden=64, mlp="swiglu", norm="rmsnorm", position="rope", bias=False, tie_embeddings=False)
@@ -141,22 +141,15 @@ class HFLlama(L.LightningModule):
 def refusals() -> dict[str, Any]:
     """What a 2-rank cp world refuses, each before the first step."""
 
-    def refused(fn: Any) -> str:
-        try:
-            fn()
-        except (ValueError, NotImplementedError) as err:
-            return str(err)
-        return "not refused"
-
     def fit(model: L.LightningModule, block_size: int = 32, **strategy: Any) -> None:
         trainer = quiet_trainer(max_steps=1, limit_val_batches=0, strategy=ThreeDParallelStrategy(**strategy))
         trainer.fit(model, tiny_data(global_batch_size=8, block_size=block_size))
 
     return {
-        "dropout": refused(lambda: fit(MaskedGPT(GPTConfig(**GPT2, dropout=0.1)), context_parallel=2)),
-        "length": refused(lambda: fit(MaskedGPT(GPTConfig(**GPT2)), block_size=30, context_parallel=2)),
-        "heads": refused(lambda: fit(MaskedGPT(GPTConfig(**dict(GPT2, n_head=1, n_embd=32))), context_parallel=2, context_parallel_mode="all_to_all")),
-        "hf": refused(lambda: fit(HFLlama(), context_parallel=2)),
+        "dropout": refusal_message(lambda: fit(MaskedGPT(GPTConfig(**GPT2, dropout=0.1)), context_parallel=2)),
+        "length": refusal_message(lambda: fit(MaskedGPT(GPTConfig(**GPT2)), block_size=30, context_parallel=2)),
+        "heads": refusal_message(lambda: fit(MaskedGPT(GPTConfig(**dict(GPT2, n_head=1, n_embd=32))), context_parallel=2, context_parallel_mode="all_to_all")),
+        "hf": refusal_message(lambda: fit(HFLlama(), context_parallel=2)),
     }
 
 

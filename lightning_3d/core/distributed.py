@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,16 +46,20 @@ def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup, src: int
     of its own replicas instead.
     """
     tensors = [t for t in [*module.parameters(), *module.buffers()] if not hasattr(t, "device_mesh")]
-    unique = list({id(t): t for t in tensors}.values())
-    if dist.get_world_size(group) > 1:
-        broadcast_tensors([t for t in unique if replica_mesh_of(t) is None], group, src, device)
-    partial: dict[int, tuple[dist.ProcessGroup, list[Tensor]]] = {}
-    for t in unique:
+    whole: list[Tensor] = []
+    partial: dict[int, tuple[Any, list[Tensor]]] = {}  # id(mesh) -> (mesh, its tensors), in parameter order
+    for t in {id(t): t for t in tensors}.values():
         mesh = replica_mesh_of(t)
-        if mesh is not None and mesh.size() > 1:
-            partial.setdefault(id(mesh), (mesh.get_group(), []))[1].append(t)
-    for owners, members in partial.values():  # (in parameter order: the same on every rank)
-        broadcast_tensors(members, owners, dist.get_global_rank(owners, 0), device)
+        if mesh is None:
+            whole.append(t)
+        else:
+            partial.setdefault(id(mesh), (mesh, []))[1].append(t)
+    if dist.get_world_size(group) > 1:
+        broadcast_tensors(whole, group, src, device)
+    for mesh, members in partial.values():
+        if mesh.size() > 1:
+            owners = mesh.get_group()
+            broadcast_tensors(members, owners, dist.get_global_rank(owners, 0), device)
 
 
 def _local(t: Tensor) -> Tensor:

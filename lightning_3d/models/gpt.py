@@ -365,19 +365,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         out = self.head(x, targets)
-        if targets is None or not self.config.n_experts:
+        aux = take_aux_losses(self) if targets is not None and self.config.n_experts else None  # (this training forward's)
+        if aux is None:
             return out
-        aux = self.aux_loss()
         loss = out + aux
-        if isinstance(aux, Tensor):
-            loss.aux_loss = aux  # the part of the loss that averages over sequences (data-parallel weighting reads it)
+        loss.aux_loss = aux  # the part of the loss that averages over sequences (data-parallel weighting reads it)
         return loss
-
-    def aux_loss(self) -> Tensor | float:
-        """The MoE layers' auxiliary losses of the last training forward (0 without experts), each
-        handed out once."""
-        total = take_aux_losses(self)
-        return 0.0 if total is None else total
 
 
 def _as_config(config: Union[GPTConfig, dict, None]) -> GPTConfig:

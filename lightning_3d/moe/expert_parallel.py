@@ -87,33 +87,31 @@ def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, g
     return _AllToAll.apply(back, receive, send, group)
 
 
+def _keep_slice(param: nn.Parameter, dim: int, group: Any, ranks: str, size: str, replica_mesh: Any = None) -> None:
+    """Keep this rank's contiguous slice of ``param`` along ``dim`` (its rank in ``group``), in place:
+    the Parameter object stays (a pipeline runtime built earlier holds it). Its spec records how the
+    slice relates to the whole tensor; ``replica_mesh``: the ranks holding the same slice."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    full_shape = tuple(param.shape)
+    if full_shape[dim] % world:
+        raise ValueError(f"{world} ranks ({ranks}) must divide {size}={full_shape[dim]}.")
+    param.data = param.detach().chunk(world, dim=dim)[rank].clone()
+    update_meta(param, tp_spec=TPSpec(dim=dim, world=world, rank=rank, full_shape=full_shape, group=group), replica_mesh=replica_mesh)
+
+
 def shard_experts(experts: GroupedExperts, group: Any, replica_mesh: Any = None) -> None:
     """Keep this rank's ``E / size(group)`` experts of ``experts`` (in place; contiguous blocks by
     rank). ``replica_mesh``: the ranks that hold the same slice (recorded on the parameters)."""
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    if experts.n_experts % ep:
-        raise ValueError(f"{ep} ranks (expert_parallel x tensor_parallel) must divide n_experts={experts.n_experts}.")
-    local = experts.n_experts // ep
     for name in ("gate_proj", "up_proj", "down_proj"):
-        # in place: the Parameter objects stay (a pipeline runtime built earlier holds them)
-        param = getattr(experts, name)
-        full_shape = tuple(param.shape)
-        param.data = param.detach()[rank * local : (rank + 1) * local].clone()
-        update_meta(param, tp_spec=TPSpec(dim=0, world=ep, rank=rank, full_shape=full_shape, group=group), replica_mesh=replica_mesh)
-    experts.n_experts = local
+        _keep_slice(getattr(experts, name), 0, group, "expert_parallel x tensor_parallel", "n_experts", replica_mesh)
+    experts.n_experts //= dist.get_world_size(group)
 
 
 def _split_shared_experts(shared: nn.Module, tp: Any) -> None:
     """The shared experts' SwiGLU split as a column (gate, up) then row (down) parallel MLP, in place:
     each tp rank computes a share of their output, summed with the routed experts' shares."""
-    world, rank = dist.get_world_size(tp), dist.get_rank(tp)
     for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-        param = getattr(shared, name).weight
-        full_shape = tuple(param.shape)
-        if full_shape[dim] % world:
-            raise ValueError(f"tensor_parallel={world} must divide the shared experts' width {full_shape[dim]}.")
-        param.data = param.detach().chunk(world, dim=dim)[rank].clone()
-        update_meta(param, tp_spec=TPSpec(dim=dim, world=world, rank=rank, full_shape=full_shape, group=tp))
+        _keep_slice(getattr(shared, name).weight, dim, tp, "tensor_parallel", "the shared experts' width")
 
 
 def apply_expert_parallel(

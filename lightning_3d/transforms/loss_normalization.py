@@ -34,18 +34,9 @@ from lightning_3d.core.forward_wrappers import wrap_forward
 from lightning_3d.pipeline.sequences import LayerSequence
 
 
-def global_count(local: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
-    """Sum of ``local`` over ``group`` (a float tensor on ``device``)."""
-    total = torch.tensor(float(local), device=device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return total
-
-
 def data_parallel_factor(local: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
     """``local * dp / global``: turns a replica's mean into its share of the batch mean (1 when balanced)."""
-    total = global_count(local, group, device)
-    return (local * dist.get_world_size(group)) / total.clamp(min=1.0)
+    return data_parallel_factors([local], group, device)[0]
 
 
 def data_parallel_factors(counts: list[int], group: dist.ProcessGroup, device: torch.device) -> Tensor:

@@ -47,7 +47,7 @@ def partial_replica_units(root: nn.Module) -> list[tuple[nn.Module, DeviceMesh]]
         meshes = {id(m): m for p in module.parameters(recurse=False) if (m := replica_mesh_of(p)) is not None}
         if len(meshes) > 1:
             raise ValueError(f"{type(module).__name__} holds parameters of several expert-replica meshes; one unit cannot shard them.")
-        if meshes and len(meshes) == 1:
+        if meshes:
             if any(replica_mesh_of(p) is None for p in module.parameters(recurse=False)):
                 raise ValueError(f"{type(module).__name__} mixes expert slices with whole parameters; ZeRO-3 shards each over other ranks.")
             out.append((module, next(iter(meshes.values()))))
