@@ -70,6 +70,19 @@ def test_llama3_70b_activations_match_the_planner():
     _check(_run("llama3_70b", stages=False))
 
 
+def test_an_expert_parallel_moe_matches_the_planner():
+    """qwen3_235b_class (232 B parameters, 94 MoE blocks of 128 experts, top 8) at pp4 x tp2 + SP x dp64 with
+    ep8 and ZeRO-1 on 512 ranks: expert weights split over ep x tp, their states over the 8 expert replicas, the
+    routed rows' all-to-alls (ep), the experts' gradients (edp), the routers' tp sums. Routing is balanced on meta."""
+    report = _run("qwen3_235b_class", "parallel.tensor_parallel=2", "parallel.data_parallel=64", "parallel.sequence_parallel=true")
+    _check(report)
+    for r in report.roles:
+        assert r.measured.memory["params"] == pytest.approx(r.predicted["params"], rel=1e-6)
+        for group in ("ep", "edp", "dp", "tp"):
+            assert r.measured.traffic[group] == pytest.approx(r.predicted["traffic"][group], rel=0.01), (r.role, group)
+    assert report.fits
+
+
 def test_an_over_full_layout_fails_with_the_rank_and_its_bytes():
     cmd = [sys.executable, "-m", "lightning_3d.apps.cli", "dry-run", "recipe=bloom_176b", "data.source=unused",
            "parallel.activation_checkpointing=null", "--ranks", "0"]

@@ -249,13 +249,6 @@ def test_flops_per_token_count_what_a_token_computes_in_its_experts():
         adapter_for(model).hf_export(config)
 
 
-def test_the_planner_refuses_a_model_with_experts_instead_of_counting_it_dense(capsys):
-    from lightning_3d.apps.cli import main
-
-    assert main(["plan", "model=gpt_tiny", "+model.n_experts=4", "cluster=local_cpu"]) == 2
-    assert "model.n_experts=4: the planner does not count experts' parameters" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("family", ["MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "DeepseekV3Config"])
 def test_hugging_face_moe_families_are_held_to_data_parallelism_too(family):
     """transformers runs its own MoE code for these families (not lightning_3d.moe): the adapters read

@@ -137,7 +137,12 @@ def test_published_parameter_counts(model: str, billions: float) -> None:
     assert shape_of(model).num_parameters / 1e9 == pytest.approx(billions, rel=0.03)
 
 
-@pytest.mark.parametrize("config", [{}, {"n_kv_head": 2, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False, "tie_embeddings": False, "ffn_hidden": 96}])
+@pytest.mark.parametrize("config", [
+    {},
+    {"n_kv_head": 2, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False, "tie_embeddings": False, "ffn_hidden": 96},
+    {"n_experts": 4, "top_k": 2},  # every block MoE, learned positions, biases elsewhere
+    {"n_experts": 8, "top_k": 2, "n_shared_experts": 1, "moe_every": 2, "expert_hidden": 24, "mlp": "swiglu", "bias": False},
+])
 def test_parameter_count_equals_the_real_model(config: dict) -> None:
     from lightning_3d.models.gpt import GPT, GPTConfig
 
@@ -543,3 +548,62 @@ def test_plan_imports_neither_torch_nor_lightning():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip().splitlines()[-1] == "[] 0", proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+# -- mixture of experts (issue 34) ----------------------------------------------------------------------
+MOE_SHAPE = dict(n_layer=4, hidden=256, n_head=4, n_kv_head=4, ffn=1024, vocab=512, seq_len=128, gated_mlp=True,
+                 tied_embeddings=False, learned_positions=False, bias=False, rms_norm=True,
+                 n_experts=16, top_k=4, n_shared_experts=1, moe_every=1, expert_ffn=96)
+
+
+def test_moe_activations_are_the_layers_saved_tensors() -> None:
+    """The planner's MoE block term against the tensors one MoE layer keeps for backward (meta, balanced
+    routing as the dry run routes), less its input, which the block's formula counts as the MLP input."""
+    import torch
+
+    from lightning_3d.apps.dry_run.balanced_routing import balanced_routing
+    from lightning_3d.core.saved_tensors import SavedBytes
+    from lightning_3d.moe.layer import MoE
+    from lightning_3d.planner.memory import moe_layer_activation_bytes
+
+    shape = ModelShape(**MOE_SHAPE)
+    with torch.device("meta"):
+        layer = MoE(shape.hidden, shape.expert_ffn, shape.n_experts, shape.top_k, shape.n_shared_experts).to(torch.bfloat16)
+    x = torch.empty(2, shape.seq_len, shape.hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    saved = SavedBytes(exclude=list(layer.parameters()))
+    with balanced_routing(), saved.hooks():
+        out = layer(x)
+    measured = saved.current - x.numel() * 2  # (the input: the MLP input of the dense formula)
+    predicted = moe_layer_activation_bytes(shape, 2, ActivationOptions(bytes_per_element=2.0))
+    assert measured == pytest.approx(predicted, rel=0.01), (measured, predicted)
+    skewed = moe_layer_activation_bytes(shape, 2, ActivationOptions(bytes_per_element=2.0, expert_imbalance=2.0))
+    assert skewed > 1.8 * predicted and out.shape == x.shape
+
+
+def test_experts_split_over_ep_and_their_state_over_the_expert_replicas() -> None:
+    """ep divides the routed experts' weights among the ranks of an expert group and shards their ZeRO state over
+    the dp x cp / ep expert replicas; the dense weights keep dp x cp. Its all-to-alls are costed and counted."""
+    problem = Problem(ModelShape(**MOE_SHAPE), cluster_of("h100_80g_64nodes", nodes=2), global_batch=64, precision="32-true")
+    planner = Planner(problem)
+    base = Layout(dp=16, tp=1, pp=1, zero_stage=1, micro_batch_size=4)
+    dense_only, experts = planner.stage_params(base, [4], 0)
+    assert experts == 4 * 16 * 3 * 256 * 96
+    one, eight = planner.evaluate(base), planner.evaluate(replace(base, ep=8))
+    assert one.memory["params"] - eight.memory["params"] == pytest.approx(4.0 * experts * 7 / 8)
+    # Adam's fp32 state (K = 8 bytes in 32-true): dense over 16 replicas, experts over 16 / 8 = 2
+    assert eight.memory["optimizer"] == pytest.approx(8.0 * (dense_only / 16 + experts / 8 / 2))
+    assert "ep" in eight.comm and "ep" not in one.comm and eight.time["ep_comm"] > 0
+    assert eight.layout.strategy_kwargs(64)["expert_parallel"] == 8
+    assert any(e.layout.ep > 1 for e in planner.search())
+    rules = {r.rule for r in planner.refusals(replace(base, ep=3))}
+    assert {"world_size", "expert_parallel_divides_experts"} <= rules, rules
+    dense = Planner(replace(problem, model=replace(problem.model, n_experts=0)))
+    assert "expert_parallel_needs_experts" in {r.rule for r in dense.refusals(replace(base, ep=2))}
+
+
+def test_plan_command_counts_an_moe_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_3d.apps.cli import main
+
+    assert main(["plan", "model=gpt_tiny", "+model.n_experts=4", "cluster=local_cpu", "--layout", "dp=8,tp=1,pp=1,ep=4"]) == 0
+    out = capsys.readouterr().out
+    assert "active" in out and "MoE blocks of 4 experts" in out and " ep " in out

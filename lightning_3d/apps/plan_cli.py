@@ -38,6 +38,8 @@ LAYOUT_KEYS = {
     "context_parallel": ("cp", int),
     "cp_mode": ("context_parallel_mode", str),
     "context_parallel_mode": ("context_parallel_mode", str),
+    "ep": ("ep", int),
+    "expert_parallel": ("ep", int),
 }
 
 
@@ -69,15 +71,19 @@ def _gib(x: float) -> str:
 
 def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds: float) -> str:
     m, c = problem.model, problem.cluster
+    moe = bool(m.n_experts)
+    active = f", {m.active_parameters / 1e9:.1f}B active" if moe else ""
+    experts = f", {m.moe_layers} MoE blocks of {m.n_experts} experts (top {m.top_k})" if moe else ""
     head = (
-        f"{m.num_parameters / 1e9:.1f}B parameters ({m.n_layer} layers, hidden {m.hidden}, {m.n_head} heads), "
+        f"{m.num_parameters / 1e9:.1f}B parameters{active} ({m.n_layer} layers, hidden {m.hidden}, {m.n_head} heads{experts}), "
         f"seq {m.seq_len}, global batch {problem.global_batch}, {problem.precision}\n"
         f"{c.name}: {c.num_nodes} x {c.devices_per_node} {c.device.model} ({c.device.memory_gb:g} GB, "
         f"{c.device.peak_tflops:g} TFLOP/s peak, GEMM efficiency {c.device.gemm_efficiency:g}); "
         f"software profile {problem.software.name}; {searched} layouts estimated in {seconds:.2f} s\n"
     )
+    ep_col = f"{'ep':>4} " if moe else ""
     cols = (
-        f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>4} {'mb':>3} {'m':>5} {'schedule':>11} {'zero':>4} {'sp':>3} "
+        f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>4} {ep_col}{'mb':>3} {'m':>5} {'schedule':>11} {'zero':>4} {'sp':>3} "
         f"{'recompute':>9} {'offload':>7} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'other':>6} {'total':>6} GiB"
         f" | {'step s':>8} {'TFLOP/s':>7} {'MFU':>5} {'tokens/s':>10}"
     )
@@ -88,10 +94,11 @@ def format_table(problem: Problem, rows: list[Estimate], searched: int, seconds:
         schedule = "-" if lay.pp == 1 else (f"interl.v{lay.virtual_stages}" if interleaved else lay.schedule)
         other = mem["buffers"] + mem["reserved"]
         cp = "-" if lay.cp == 1 else f"{lay.cp}" + ("a" if lay.context_parallel_mode == "all_to_all" else "r")
+        ep = (f"{'-' if lay.ep == 1 else lay.ep:>4} " if moe else "")
         activations = mem["activations"] + mem["recompute"]
         flag = ("" if e.fits else f"  DOES NOT FIT: {e.why_not}") + ("  *" if e.caveats else "")
         lines.append(
-            f"{i:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {cp:>4} {lay.micro_batch_size:>3} {lay.micro_batches(problem.global_batch):>5} "
+            f"{i:>3} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {cp:>4} {ep}{lay.micro_batch_size:>3} {lay.micro_batches(problem.global_batch):>5} "
             f"{schedule:>11} {lay.zero_stage:>4} {'y' if lay.sequence_parallel else 'n':>3} {lay.recompute:>9} {lay.offload:>7} | "
             f"{_gib(mem['params']):>6} {_gib(mem['grads']):>6} {_gib(mem['optimizer']):>6} {_gib(activations):>6} "
             f"{_gib(other):>6} {_gib(mem['total']):>6}     | {e.step_seconds:>8.3f} {e.tflops_per_device:>7.1f} "
@@ -111,7 +118,7 @@ def plan_main(argv: list[str]) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: model=..., cluster=..., recipe=..., data.global_batch_size=...")
     parser.add_argument("--format", choices=["table", "json"], default="table")
-    parser.add_argument("--layout", default=None, help="evaluate one layout, e.g. tp=4,pp=12,dp=8,mb=2,zero=1 (cp=16,cp_mode=ring)")
+    parser.add_argument("--layout", default=None, help="evaluate one layout, e.g. tp=4,pp=12,dp=8,mb=2,zero=1 (cp=16,cp_mode=ring; ep=8)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to show (default 10)")
     parser.add_argument("--all", action="store_true", help="every fitting variant, not just the best per (dp, tp, pp, cp)")
     parser.add_argument("--software", default="lightning_3d", help="lightning_3d | megatron_2021 | megatron_deepspeed_2022")
@@ -120,6 +127,10 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--nodes", type=int, default=None, help="override the cluster's node count")
     parser.add_argument("--precision", default=None, help="default: trainer.precision")
     parser.add_argument("--cross-node-tp", action="store_true", help="let tensor parallelism span nodes")
+    parser.add_argument(
+        "--expert-imbalance", type=float, default=1.0,
+        help="MoE: routed rows on the busiest rank of an expert group / the mean (default 1: balanced)",
+    )
     parser.add_argument("--config-dir", default=None, help="a Hydra config directory with config.yaml (default: the one shipped in lightning_3d/conf)")
     args = parser.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
@@ -137,6 +148,7 @@ def plan_main(argv: list[str]) -> int:
         nodes=args.nodes,
         precision=args.precision,
         cross_node_tp=args.cross_node_tp,
+        expert_imbalance=args.expert_imbalance,
     )
     if args.layout:
         import time

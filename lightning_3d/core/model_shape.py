@@ -26,6 +26,14 @@ class ModelShape:
     dropout: bool = False  # dropout > 0: masks are kept for backward
     rms_norm: bool = False  # RMSNorm (torch's keeps its input and the normalized input)
     attention_head_dim: Optional[int] = None  # a head width other than hidden / n_head (Gemma, Qwen3)
+    # Mixture of experts (GPTConfig's keys): every ``moe_every``-th block's MLP becomes ``n_experts``
+    # SwiGLU experts of width ``expert_ffn`` (``top_k`` per token) plus ``n_shared_experts`` every token
+    # uses, and a router. Per-layer figures below are averages over the blocks, MoE or dense.
+    n_experts: int = 0
+    top_k: int = 0
+    n_shared_experts: int = 0
+    moe_every: int = 1
+    expert_ffn: int = 0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> "ModelShape":
@@ -36,6 +44,16 @@ class ModelShape:
         n_kv = int(config.get("n_kv_head") or n_head)
         if n_head % n_kv:
             raise ValueError(f"model: n_kv_head={n_kv} must divide n_head={n_head}.")
+        experts = int(config.get("n_experts") or 0)
+        moe: dict[str, int] = {}
+        if experts:
+            moe = {
+                "n_experts": experts,
+                "top_k": int(config.get("top_k") or 2),
+                "n_shared_experts": int(config.get("n_shared_experts") or 0),
+                "moe_every": int(config.get("moe_every") or 1),
+                "expert_ffn": int(config.get("expert_hidden") or config.get("ffn_hidden") or 4 * hidden),
+            }
         return cls(
             n_layer=int(config["n_layer"]),
             hidden=hidden,
@@ -50,6 +68,7 @@ class ModelShape:
             bias=bool(config.get("bias", True)),
             dropout=float(config.get("dropout", 0.0) or 0.0) > 0,
             rms_norm=config.get("norm", "layernorm") == "rmsnorm",
+            **moe,
         )
 
     @property
@@ -77,39 +96,95 @@ class ModelShape:
         """The query (and attention output) width: the hidden size unless heads are wider or narrower."""
         return self.n_head * self.head_dim
 
+    # -- mixture of experts ------------------------------------------------------------------
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights that take part in GEMMs: q, o (h x q width), k, v (h x kv), the MLP matrices."""
-        h = self.hidden
-        return 2 * h * self.q_width + 2 * h * self.kv_width + (3 if self.gated_mlp else 2) * h * self.ffn
+    def moe_layers(self) -> int:
+        """Blocks with experts in place of their MLP (blocks ``moe_every - 1``, ``2 moe_every - 1``, ...)."""
+        return self.n_layer // self.moe_every if self.n_experts else 0
 
     @property
-    def layer_sharded_params(self) -> int:
-        """A layer's parameters that tensor parallelism splits (matrices and their biases)."""
-        biases = (self.q_width + 2 * self.kv_width + self.ffn) if self.bias else 0
+    def moe_share(self) -> float:
+        """The fraction of blocks that are MoE blocks (0 for a dense model)."""
+        return self.moe_layers / self.n_layer
+
+    @property
+    def shared_expert_width(self) -> int:
+        """Width of an MoE block's shared experts (one SwiGLU of ``n_shared_experts x expert_ffn``)."""
+        return self.n_shared_experts * self.expert_ffn
+
+    @property
+    def moe_layer_expert_params(self) -> int:
+        """The routed experts' weights of one MoE block: what expert parallelism splits (with tp: over ep x tp)."""
+        return self.n_experts * 3 * self.hidden * self.expert_ffn
+
+    @property
+    def layer_expert_params(self) -> float:
+        """Routed-expert weights per block, averaged over the blocks."""
+        return self.moe_share * self.moe_layer_expert_params
+
+    @property
+    def _dense_mlp_params(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+
+    @property
+    def layer_matmul_params(self) -> float:
+        """Weights that take part in GEMMs and that tensor parallelism splits: q, o (h x q width), k, v
+        (h x kv), the MLP matrices (an MoE block: its shared experts' instead; its routed experts are
+        :attr:`layer_expert_params`, its router is replicated)."""
+        h, share = self.hidden, self.moe_share
+        attention = 2 * h * self.q_width + 2 * h * self.kv_width
+        return attention + (1 - share) * self._dense_mlp_params + share * 3 * h * self.shared_expert_width
+
+    @property
+    def layer_active_matmul_params(self) -> float:
+        """GEMM weights one token passes through per block: :attr:`layer_matmul_params`, plus in an MoE
+        block its router and ``top_k`` routed experts (what the FLOPs count)."""
+        routed = self.hidden * self.n_experts + self.top_k * 3 * self.hidden * self.expert_ffn
+        return self.layer_matmul_params + self.moe_share * routed
+
+    @property
+    def layer_ffn_width(self) -> float:
+        """MLP-intermediate elements per token and block (an MoE block: its ``top_k`` routed rows'
+        plus its shared experts'), averaged over the blocks."""
+        share = self.moe_share
+        return (1 - share) * self.ffn + share * (self.top_k * self.expert_ffn + self.shared_expert_width)
+
+    @property
+    def layer_sharded_params(self) -> float:
+        """A layer's parameters that tensor parallelism splits (matrices and their biases; MoE blocks
+        have no MLP biases). Routed experts are apart (:attr:`layer_expert_params`)."""
+        biases = (self.q_width + 2 * self.kv_width + (1 - self.moe_share) * self.ffn) if self.bias else 0
         return self.layer_matmul_params + biases
 
     @property
-    def layer_replicated_params(self) -> int:
-        """Norm weights (and output biases) every tensor-parallel rank keeps whole."""
+    def layer_replicated_params(self) -> float:
+        """Norm weights, output biases and MoE routers: what every tensor-parallel rank keeps whole."""
         norms = 2 * self.hidden * (2 if self.bias else 1)
-        return norms + (2 * self.hidden if self.bias else 0)
+        biases = (2 - self.moe_share) * self.hidden if self.bias else 0
+        return norms + biases + self.moe_share * self.hidden * self.n_experts
 
     def layer_tensor_sizes(self, tp: int = 1) -> list[float]:
         """Elements of each parameter tensor of one layer on one tensor-parallel rank (norm weights
         and biases, fused q/k/v, o, the MLP matrices): what a stack that gathers parameter by
-        parameter (DeepSpeed's ZeRO-3 of 2021) issues one collective for."""
-        h, b = self.hidden, self.bias
+        parameter (DeepSpeed's ZeRO-3 of 2021) issues one collective for. MoE blocks: their MLP
+        entries weighed by the dense share, the router and shared experts added (routed experts
+        are gathered as their own unit)."""
+        h, b, dense = self.hidden, self.bias, 1 - self.moe_share
         norm = [float(h)] * (2 if b else 1)
         qkv_out = self.q_width + 2 * self.kv_width
         mlp_in = (2 if self.gated_mlp else 1) * self.ffn
         out = norm + [h * qkv_out / tp] + ([qkv_out / tp] if b else []) + [self.q_width * h / tp] + ([float(h)] if b else [])
-        out += norm + [h * mlp_in / tp] + ([mlp_in / tp] if b else []) + [self.ffn * h / tp] + ([float(h)] if b else [])
+        out += norm + [dense * h * mlp_in / tp] + ([dense * mlp_in / tp] if b else []) + [dense * self.ffn * h / tp]
+        out += [dense * h] if b else []
+        if self.n_experts:
+            out += [self.moe_share * h * self.n_experts]
+            if self.shared_expert_width:
+                out += [self.moe_share * 3 * h * self.shared_expert_width / tp]
         return out
 
     @property
-    def layer_params(self) -> int:
-        return self.layer_sharded_params + self.layer_replicated_params
+    def layer_params(self) -> float:
+        return self.layer_sharded_params + self.layer_replicated_params + self.layer_expert_params
 
     @property
     def embedding_params(self) -> int:
@@ -122,7 +197,14 @@ class ModelShape:
 
     @property
     def num_parameters(self) -> int:
-        return self.embedding_params + self.n_layer * self.layer_params + self.head_params
+        return round(self.embedding_params + self.n_layer * self.layer_params + self.head_params)
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward uses: all of them in a dense model; an MoE block's
+        ``top_k`` of its ``n_experts`` routed experts."""
+        unused = self.moe_layers * (self.n_experts - self.top_k) * 3 * self.hidden * self.expert_ffn
+        return self.num_parameters - unused
 
     # FLOPs per token, forward (2 per multiply-add), counted as Narayanan et al. 2021 count them:
     # the attention score and value products over the full sequence (no causal halving).
@@ -131,7 +213,7 @@ class ModelShape:
     # does half of it; the time model charges the full count at the GEMM rate, i.e. the causal half
     # at half the GEMM efficiency (docs/planner.md, "Context parallelism").
     def layer_forward_flops_per_token(self) -> float:
-        return 2.0 * self.layer_matmul_params + self.attention_forward_flops_per_token()
+        return 2.0 * self.layer_active_matmul_params + self.attention_forward_flops_per_token()
 
     def attention_forward_flops_per_token(self) -> float:
         """Scores (q k^T) and values (p v), 2 s h FLOPs each (h: the query width), per token of an

@@ -63,6 +63,16 @@ def exchange_counts(counts: Tensor, group: Any) -> Tensor:
     return received.view(ep, -1)
 
 
+def split_sizes(rows: Tensor, send: Tensor, receive: Tensor) -> tuple[list[int], list[int]]:
+    """How many of ``rows`` go to each rank of the expert group (``send``) and how many arrive from
+    each (``receive``), as the Python ints ``all_to_all_single`` takes: the one blocking host read.
+    (The dry run stands in balanced sizes: on the meta device there are no counts to read.)"""
+    sizes = torch.stack([send, receive]).tolist()
+    if sum(sizes[0]) != rows.shape[0]:
+        raise RuntimeError(f"expert dispatch: the counts send {sum(sizes[0])} rows, but {rows.shape[0]} were routed.")
+    return sizes[0], sizes[1]
+
+
 def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, group: Any) -> Tensor:
     """``rows``: this rank's routed rows sorted by global expert (``counts`` of them per expert, a
     device tensor). Runs every row through its expert wherever that expert lives and returns the
@@ -70,8 +80,7 @@ def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, g
     ep = dist.get_world_size(group)
     local = experts.n_experts
     received = exchange_counts(counts, group)  # (ep, E_local)
-    sizes = torch.stack([counts.view(ep, local).sum(dim=1), received.sum(dim=1)]).tolist()  # the one host read
-    send, receive = sizes
+    send, receive = split_sizes(rows, counts.view(ep, local).sum(dim=1), received.sum(dim=1))
     arrived = _AllToAll.apply(rows, send, receive, group)  # grouped by (source rank, local expert)
     # regroup by local expert: arrival order is source-major; the experts want expert-major
     per_block = received.reshape(-1)  # block b = (source b // E_local, expert b % E_local)

@@ -30,9 +30,9 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _grouped_mm_available(x: Tensor, weight: Tensor) -> bool:
-    """torch 2.13's kernel: fp32 / bf16 on CPU or CUDA, rows of whole 16-byte multiples."""
+    """torch 2.13's kernel: fp32 / bf16 on CPU or CUDA (and its shapes on meta, for the dry run), rows of whole 16-byte multiples."""
     aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-1]))
-    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and x.device.type in ("cpu", "cuda") and aligned
+    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and x.device.type in ("cpu", "cuda", "meta") and aligned
 
 
 def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor, counts: Optional[list[int]] = None) -> Tensor:
@@ -41,7 +41,7 @@ def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor, counts: Optional[list
     ``offsets``: the int32 cumulative row counts, on ``x``'s device. ``counts``: the same on the host,
     needed only by the loop that stands in where grouped GEMM is missing. Under autocast both run in
     its dtype, as a ``Linear`` would (``torch._grouped_mm`` has no autocast rule of its own)."""
-    if torch.is_autocast_enabled(x.device.type):
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):  # (meta: the dry run, no autocast)
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
     if _grouped_mm_available(x, weight):

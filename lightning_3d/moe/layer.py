@@ -136,19 +136,23 @@ class MoE(nn.Module):
             rows = self.experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
         else:
             rows = dispatch_to_experts(tokens[token_of_row], counts, self.experts, self.expert_group)
-        # in the experts' dtype (autocast's, as a dense MLP's output would be)
-        out = tokens.new_zeros(tokens.shape, dtype=rows.dtype).index_add_(0, token_of_row, rows * weight_of_row.to(rows.dtype)[:, None])
+        # in the experts' dtype (autocast's, as a dense MLP's output would be); an accumulating index_put, not
+        # index_add_, whose backward keeps a copy of the weighted rows (h values per row) for nothing
+        weighted = rows * weight_of_row.to(rows.dtype)[:, None]
+        out = tokens.new_zeros(tokens.shape, dtype=rows.dtype).index_put_((token_of_row,), weighted, accumulate=True)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(shape)
-        if tp is not None:  # the tp ranks' shares: routed rows of their experts, their slice of the shared experts
-            out = reduce_scatter_to_sequence_parallel(out, tp) if self.sequence_parallel else reduce_from_tensor_parallel(out, tp)
+        # (the auxiliary losses before the output's reduction: a recomputed forward, which stops once it has
+        # rebuilt every saved tensor, then stops short of that collective, as a dense MLP's does)
         self.aux_loss = self._aux_loss(routing, sequences) if self.training and torch.is_grad_enabled() else None
         if self.aux_loss is not None and tp is not None:
             # every tp rank computes the same auxiliary loss; the router's gradients are summed over tp (its
             # main-loss part is partial), so each rank backpropagates 1 / tp of it and reports all of it
             share = self.aux_loss / dist.get_world_size(tp)
             self.aux_loss = share + (self.aux_loss - share).detach()
+        if tp is not None:  # the tp ranks' shares: routed rows of their experts, their slice of the shared experts
+            out = reduce_scatter_to_sequence_parallel(out, tp) if self.sequence_parallel else reduce_from_tensor_parallel(out, tp)
         return out
 
     def _tensor_parallel_share(self, token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, tp: Any) -> tuple[Tensor, Tensor, Tensor]:

@@ -78,18 +78,13 @@ def problem_from_config(
     nodes: Optional[int] = None,
     precision: Optional[str] = None,
     cross_node_tp: bool = False,
+    expert_imbalance: float = 1.0,
 ) -> Problem:
     """The planning problem a composed recipe config describes (model, cluster, precision, and the
     global batch: ``data.global_batch_size x trainer.accumulate_grad_batches`` sequences per step)."""
     if software not in SOFTWARE:
         raise ValueError(f"software={software!r}: choose one of {sorted(SOFTWARE)}.")
     model_cfg: Any = OmegaConf.to_container(cfg.model, resolve=True)
-    if model_cfg.get("n_experts"):
-        raise ValueError(
-            f"model.n_experts={model_cfg['n_experts']}: the planner does not count experts' parameters, memory or "
-            f"all-to-all traffic yet (issue 34); choose the layout yourself (mixture-of-experts models train under "
-            f"every degree, expert_parallel included: docs/moe.md)."
-        )
     cluster = with_nodes(load_cluster(cfg.cluster), nodes)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
     batch = global_batch or int(cfg.data.global_batch_size) * accumulate
@@ -103,6 +98,7 @@ def problem_from_config(
         software=SOFTWARE[software],
         precision=PLANNER_PRECISION[trainer_precision],
         cross_node_tp=cross_node_tp,
+        expert_imbalance=expert_imbalance,
     )
 
 

@@ -56,6 +56,14 @@ class DataParallelTime:
             }
         return total
 
+    def merged(self, other: "DataParallelTime", prefix: str) -> "DataParallelTime":
+        """This step's collectives and ``other``'s (its calls named with ``prefix``), summed."""
+        return DataParallelTime(
+            exposed=self.exposed + other.exposed, hidden=self.hidden + other.hidden, latency=self.latency + other.latency,
+            transfer=self.transfer + other.transfer, collectives=self.collectives + other.collectives,
+            copy=self.copy + other.copy, detail={**self.detail, **{prefix + name: v for name, v in other.detail.items()}},
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "collectives": self.collectives,

@@ -29,7 +29,7 @@ on, multi-head attention, a 4h GELU MLP and unfused attention it is exactly the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from lightning_3d.core.layout_rules import V_SHAPED
@@ -63,6 +63,7 @@ class ActivationOptions:
     flash_attention: bool = False
     bytes_per_element: float = 2.0
     cp: int = 1  # context parallel: the rank holds s / cp of each sequence
+    expert_imbalance: float = 1.0  # routed rows on the busiest rank / the mean (1: balanced routing)
 
 
 def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: ActivationOptions) -> float:
@@ -75,7 +76,7 @@ def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: Activation
         return c * sbh / (t if opts.sequence_parallel else 1)
     mask = 1.0 if model.dropout else 0.0
     kv = model.kv_width / h  # k and v widths relative to h
-    ffn = model.ffn / h
+    ffn = model.ffn / h * (1 - model.moe_share)  # (MoE blocks: moe_layer_activation_bytes)
     norm = 2.0 if model.rms_norm else 1.0  # tensors each norm keeps per element
     # Tensors every tp rank holds whole (split along the sequence under sequence parallel):
     # the two norms' inputs, the q/k/v input, the MLP input, two dropout masks.
@@ -94,9 +95,29 @@ def layer_activation_bytes(model: ModelShape, micro_batch: int, opts: Activation
         core += 2 * 4.0 * s * model.head_dim  # fp32 rotary cos/sin tables, per layer
     if opts.recompute == "selective":
         core = 0.0
+    moe = moe_layer_activation_bytes(model, micro_batch, opts) if model.n_experts else 0.0
     if opts.sequence_parallel:
-        return (replicated + sharded + core) / t
-    return replicated + (sharded + core) / t
+        return (replicated + sharded + core) / t + moe
+    return replicated + (sharded + core) / t + moe
+
+
+def moe_layer_activation_bytes(model: ModelShape, micro_batch: int, opts: ActivationOptions) -> float:
+    """What an MoE block keeps beyond the attention half, averaged over the blocks (``moe_share``).
+
+    Counted from the layer's saved tensors. Per token: the router's fp32 scores (``4 E`` bytes; a
+    router z-loss keeps the logits too, ``4 E`` more, not counted) and its top-k weights, choices and sums (``12 k + 12``), on every tp rank (the
+    layer routes every token, gathered under sequence parallelism, whose gathered input the router's
+    gate keeps too); the shared experts' SwiGLU (``4 c`` per element of their width, split by tp); and
+    ``top_k`` routed rows, of which each tp rank computes its ``1 / t`` (scaled by the routing
+    imbalance on the busiest rank): each keeps the expert input and output (``2 c h``, the output for
+    the weighted combine), the SwiGLU's four intermediates (``4 c expert_ffn``), its weight (``c``) and
+    three int64 indices."""
+    s, b, h, t, c = model.seq_len / opts.cp, micro_batch, model.hidden, opts.tp, opts.bytes_per_element
+    k = model.top_k
+    router = 4.0 * model.n_experts + 12.0 * k + 12.0 + (c * h if opts.sequence_parallel and t > 1 else 0.0)
+    shared = 4 * c * model.shared_expert_width / t
+    routed = k * opts.expert_imbalance * (c * (2 * h + 4 * model.expert_ffn + 1) + 24.0) / t
+    return model.moe_share * s * b * (router + shared + routed)
 
 
 def activations_in_flight(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
@@ -167,7 +188,7 @@ def activation_bytes(
         stored += (2 + head_pending) * logits
     recompute = 0.0
     if opts.recompute == "full":
-        working = ActivationOptions(opts.tp, opts.sequence_parallel, "none", opts.flash_attention, opts.bytes_per_element, opts.cp)
+        working = replace(opts, recompute="none")
         recompute = layer_activation_bytes(model, micro_batch, working)
     return {"stored": stored, "recompute": recompute}
 

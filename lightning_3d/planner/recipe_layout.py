@@ -93,6 +93,7 @@ def layout_of(cfg: DictConfig, world_size: int) -> Layout:
         offload=str(config.sharding.offload_params if zero3 else config.sharding.offload_optimizer),
         cp=dims.cp,
         context_parallel_mode=str(config.layout.context_parallel_mode),
+        ep=dims.ep,
     )
 
 

@@ -20,6 +20,7 @@ from lightning_3d.core.layout_rules import (
     Refusal,
     batch_refusals,
     context_parallel_refusals,
+    expert_refusals,
     feature_refusals,
     pipeline_refusals,
     sequence_parallel_refusals,
@@ -28,7 +29,7 @@ from lightning_3d.core.layout_rules import (
 )
 from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.planner.collective_cost import NCCL_VERSIONS, Group, collective_cost
-from lightning_3d.planner.context_parallel import CP_MIN_SEQUENCE, CP_MODES, ContextParallelCost, layer_cp_cost
+from lightning_3d.planner.context_parallel import CP_MIN_SEQUENCE, CP_MODES, ContextParallelCost, all_to_all_seconds, layer_cp_cost
 from lightning_3d.planner.data_parallel import DataParallelTime, replicated_params_comm, sharded_params_comm
 from lightning_3d.planner.hardware import ClusterSpec
 from lightning_3d.planner.memory import (
@@ -39,7 +40,7 @@ from lightning_3d.planner.memory import (
     stage_in_flight,
     zero_model_state_bytes,
 )
-from lightning_3d.planner.timing import HBM_EFFICIENCY, head_cost, layer_cost, optimizer_seconds, p2p_seconds
+from lightning_3d.planner.timing import HBM_EFFICIENCY, MicroBatchCost, head_cost, layer_cost, optimizer_seconds, p2p_seconds
 from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_chunk_layers, zero_bubble_pipeline
 
 RECOMPUTE = ("none", "selective", "full")
@@ -191,6 +192,7 @@ class Layout:
     offload: str = "none"
     cp: int = 1  # context parallel: each sequence split over cp ranks (same weights, other tokens)
     context_parallel_mode: str = "ring"  # ring | all_to_all (meaningful for cp > 1)
+    ep: int = 1  # expert parallel: MoE experts split over ep of the dp x cp replicas (no ranks of its own)
 
     @property
     def degrees(self) -> tuple[int, int, int, int]:
@@ -209,6 +211,8 @@ class Layout:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.cp > 1:
             parts.append(f"cp={self.cp}" + ("(a2a)" if self.context_parallel_mode == "all_to_all" else ""))
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         parts.append(f"mb={self.micro_batch_size}")
         if self.pp > 1:
             interleaved = self.schedule == "interleaved_1f1b" and self.virtual_stages > 1
@@ -238,6 +242,7 @@ class Layout:
             "offload_params": self.offload if self.offload != "none" and self.zero_stage == 3 else None,
             "context_parallel": self.cp,
             "context_parallel_mode": self.context_parallel_mode,
+            "expert_parallel": self.ep,
         }
         if split_points:
             out["pipeline_partition"] = list(split_points)
@@ -291,10 +296,18 @@ class Problem:
     precision: str = "bf16-mixed"
     cross_node_tp: bool = False
     max_micro_batch_size: int = 16
+    # MoE: routed rows on the busiest rank of an expert group over the mean (1: the balance the
+    # auxiliary loss aims at); scales that rank's expert GEMMs, all-to-all bytes and routed activations
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: the planner knows {sorted(PRECISIONS)}.")
+        if not self.expert_imbalance >= 1.0:
+            raise ValueError(
+                f"expert_imbalance={self.expert_imbalance}: the busiest rank's routed rows over the mean is at least 1 "
+                f"(1: balanced routing); give a value >= 1."
+            )
         if self.global_batch < 1:
             raise ValueError(f"global_batch={self.global_batch} must be positive.")
 
@@ -384,7 +397,7 @@ class Planner:
     def nccl(self):  # type: ignore[no-untyped-def]
         return NCCL_VERSIONS[self.problem.software.nccl]
 
-    def _layer_cost_uncached(self, mb: int, tp: int, sp: bool, recompute: str, cp: int = 1, mode: str = "ring"):  # type: ignore[no-untyped-def]
+    def _layer_cost_uncached(self, mb: int, tp: int, sp: bool, recompute: str, cp: int = 1, mode: str = "ring", ep: int = 1):  # type: ignore[no-untyped-def]
         p = self.problem
         cost = layer_cost(
             p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._group(1, tp), self.nccl, cp
@@ -393,7 +406,45 @@ class Planner:
             cost = replace(cost, tp_comm=max(0.0, cost.tp_comm - cost.forward - cost.backward))
         if cp > 1:
             cost = replace(cost, cp_comm=self._cp_cost(mb, tp, recompute, cp, mode).exposed)
+        if p.model.n_experts:
+            cost = self._with_experts(cost, mb, tp, recompute, cp, ep)
         return cost
+
+    def expert_exchange(self, mb: int, tp: int, cp: int, ep: int) -> dict[str, float]:
+        """One MoE block's all-to-all on one rank for one micro-batch and pass: the routed rows it sends
+        (``top_k`` per token, its ``1 / tp`` share of them, the busiest rank's under imbalance) over the
+        expert group, ``ep`` ranks ``tp`` apart (adjacent replicas); the seconds of that exchange and of
+        the per-expert count exchange before it."""
+        model, cluster = self.problem.model, self.problem.cluster
+        if ep <= 1:
+            return {"row_bytes": 0.0, "rows_s": 0.0, "counts_s": 0.0}
+        tokens = mb * model.seq_len / cp
+        row_bytes = tokens * model.top_k / tp * self.problem.expert_imbalance * model.hidden * self.c
+        nodes = _nodes_spanned(tp, ep, cluster.devices_per_node)
+        net = self._per_device_network() if nodes > 1 else cluster.intra_node_gb_per_s
+
+        def a2a(nbytes: float) -> float:
+            return all_to_all_seconds(nbytes, ep, nodes, cluster.intra_node_gb_per_s, net, self.nccl)
+
+        return {"row_bytes": row_bytes, "rows_s": a2a(row_bytes), "counts_s": a2a(8.0 * model.n_experts)}
+
+    def _with_experts(self, cost: MicroBatchCost, mb: int, tp: int, recompute: str, cp: int, ep: int) -> MicroBatchCost:
+        """Expert parallelism's exchanges (dispatch and combine in each forward, both again in backward
+        and in a full recompute; the counts once per forward), not overlapped: the split sizes are read
+        on the host. Under imbalance, the busiest rank's extra expert GEMMs, which the group waits for."""
+        model = self.problem.model
+        forwards = 2 if recompute == "full" else 1
+        exchange = self.expert_exchange(mb, tp, cp, ep)
+        ep_comm = model.moe_share * (2 * (forwards + 1) * exchange["rows_s"] + forwards * exchange["counts_s"])
+        extra = self.problem.expert_imbalance - 1.0
+        if extra <= 0 or ep * tp <= 1:
+            return replace(cost, ep_comm=ep_comm)
+        routed = model.moe_share * model.top_k * 3 * model.hidden * model.expert_ffn  # routed GEMM weights per token
+        share = routed / model.layer_active_matmul_params * cost.linear_forward  # their forward seconds
+        return replace(
+            cost, ep_comm=ep_comm, forward=cost.forward + extra * share,
+            backward=cost.backward + extra * share * (2 + (1 if recompute == "full" else 0)),
+        )
 
     def _cp_cost_uncached(self, mb: int, tp: int, recompute: str, cp: int, mode: str) -> ContextParallelCost:
         """One layer's context-parallel exchange per micro-batch over the cp group: ``cp`` ranks
@@ -417,8 +468,8 @@ class Planner:
         t, pp, d, mb, v = layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.virtual_stages
         cp = layout.cp
         m = layout.micro_batches(p.global_batch)
-        if cp > 1:
-            cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute, cp, layout.context_parallel_mode)
+        if cp > 1 or layout.ep > 1:
+            cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute, cp, layout.context_parallel_mode, layout.ep)
         else:  # the cache key of every cp=1 layout, as before cp
             cost = self._layer_cost(mb, t, layout.sequence_parallel, layout.recompute)
         local_seq = model.seq_len / cp  # tokens of each sequence this device holds
@@ -438,15 +489,15 @@ class Planner:
         elif pp > 1:
             stages.append((pp - 1, last_stage_in_flight(layout.schedule, pp, m)))  # 1F1B: 1, each micro-batch finishes at once
         best_memory: Optional[dict[str, float]] = None
-        psi_max = 0.0
+        psi_max = optimizer_shard = 0.0  # (dense parameters only: the experts' collectives run over their own replicas)
         for index, flight in stages:
-            psi, memory = self.stage_memory(layout, layers, index, flight)
+            _, memory = self.stage_memory(layout, layers, index, flight)
             if best_memory is None or memory["total"] > best_memory["total"]:
                 best_memory = memory
-            psi_max = max(psi_max, psi)
+            psi_max = max(psi_max, self.stage_params(layout, layers, index)[0])
+            optimizer_shard = max(optimizer_shard, self.optimizer_shard(layout, layers, index))
         assert best_memory is not None
 
-        optimizer_shard = psi_max / (d * cp if layout.zero_stage >= 1 else 1)
         host = nvme = 0.0
         if layout.offload == "cpu":
             host = k * optimizer_shard * cluster.devices_per_node
@@ -487,6 +538,8 @@ class Planner:
         pipeline = m * per_micro_batch + bubble
 
         dp_time = self._data_parallel_time(layout, layers, psi_max, cost)
+        if model.n_experts:
+            dp_time = self._expert_data_parallel_time(layout, layers, cost, dp_time)
         exposed_dp = dp_time.exposed
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
         step = pipeline + exposed_dp + opt
@@ -498,9 +551,10 @@ class Planner:
         tflops = hardware_flops / world / step / 1e12
         mfu = model_flops / world / step / (cluster.device.peak_tflops * 1e12)
         time = {
-            "compute": m * stage_seconds - m * max(layers) * (cost.tp_comm + cost.cp_comm),
+            "compute": m * stage_seconds - m * max(layers) * (cost.tp_comm + cost.cp_comm + cost.ep_comm),
             "tp_comm": m * max(layers) * cost.tp_comm,
             **({"cp_comm_exposed": m * max(layers) * cost.cp_comm} if cp > 1 else {}),
+            **({"ep_comm": m * max(layers) * cost.ep_comm} if layout.ep > 1 else {}),
             "pp_bubble": bubble,
             "pp_p2p": m * v * p2p,
             "dp_comm_exposed": exposed_dp,
@@ -514,6 +568,16 @@ class Planner:
                 "ranks": cp, "stride": t, "nodes": cp_nodes,
                 "gb_per_s": self._bandwidth(t, cp) if layout.context_parallel_mode == "ring" else None,
                 **cp_cost.to_dict(scale=m * max(layers)),
+            }
+        if layout.ep > 1:
+            exchange = self.expert_exchange(mb, t, cp, layout.ep)
+            forwards = 2 if layout.recompute == "full" else 1
+            comm["ep"] = {
+                "ranks": layout.ep, "stride": t, "nodes": _nodes_spanned(t, layout.ep, cluster.devices_per_node),
+                "moe_layers_on_stage": round(max(layers) * model.moe_share, 2),
+                "all_to_alls_per_layer_and_micro_batch": 2 * (forwards + 1) + forwards,
+                "row_bytes_each": round(exchange["row_bytes"]), "rows_s_each": round(exchange["rows_s"], 6),
+                "exposed_s": round(m * max(layers) * cost.ep_comm, 4),
             }
         caveats = []
         dp_nodes = self._group(t, d * cp).nodes
@@ -541,9 +605,28 @@ class Planner:
         )
 
     def stage_psi(self, layout: Layout, layers: list[int], index: int) -> float:
-        """Parameters pipeline stage ``index`` holds on one tensor-parallel rank: its layers' shares, the
-        vocab-parallel embedding on the first stage, the head (final norm, untied LM head) on the last,
-        and on the last the tied embedding's copy too."""
+        """Parameters pipeline stage ``index`` holds on one rank (dense and routed experts)."""
+        return sum(self.stage_params(layout, layers, index))
+
+    def stage_params(self, layout: Layout, layers: list[int], index: int) -> tuple[float, float]:
+        """(dense, expert) parameters pipeline stage ``index`` holds on one rank. Dense: its layers'
+        tensor-parallel shares, the vocab-parallel embedding on the first stage, the head (final norm,
+        untied LM head) on the last, and on the last the tied embedding's copy too; they replicate over
+        the dp x cp replicas. Expert: the routed experts' ``1 / (ep x tp)``, replicated over ``dp x cp / ep``."""
+        model = self.problem.model
+        expert = layers[index] * model.layer_expert_params / (layout.ep * layout.tp)
+        return self._dense_stage_psi(layout, layers, index), expert
+
+    def optimizer_shard(self, layout: Layout, layers: list[int], index: int) -> float:
+        """Parameters whose optimizer state stage ``index``'s rank updates: with ZeRO >= 1, the dense ones'
+        ``1 / (dp x cp)`` and the experts' ``1 / (dp x cp / ep)``."""
+        dense, expert = self.stage_params(layout, layers, index)
+        if layout.zero_stage == 0:
+            return dense + expert
+        replicas = layout.dp * layout.cp
+        return dense / replicas + expert / (replicas // layout.ep)
+
+    def _dense_stage_psi(self, layout: Layout, layers: list[int], index: int) -> float:
         model, t, pp = self.problem.model, layout.tp, layout.pp
         layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
         token_psi = model.vocab * model.hidden / t  # vocab-parallel
@@ -564,10 +647,16 @@ class Planner:
         t, pp, d, mb, cp = layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.cp
         local_seq = model.seq_len / cp
         has_head = index == head_stage(layout.schedule, pp)
-        psi = self.stage_psi(layout, layers, index)
-        act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp)
+        dense, expert = self.stage_params(layout, layers, index)
+        psi = dense + expert
+        act_opts = ActivationOptions(
+            t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp, p.expert_imbalance
+        )
         grad_bytes = c + (p.software.extra_grad_bytes if c == 2.0 else 0.0)
-        states = zero_model_state_bytes(psi, layout.zero_stage, d * cp, k=k, c=c, grad_bytes=grad_bytes)  # ZeRO spans dp x cp
+        states = zero_model_state_bytes(dense, layout.zero_stage, d * cp, k=k, c=c, grad_bytes=grad_bytes)  # ZeRO spans dp x cp
+        if expert:  # the expert replicas: dp x cp / ep
+            experts = zero_model_state_bytes(expert, layout.zero_stage, d * cp // layout.ep, k=k, c=c, grad_bytes=grad_bytes)
+            states = {kind: states[kind] + experts[kind] for kind in states}
         if layout.offload != "none":
             states["optimizer"] = 0.0
             if layout.zero_stage == 3:
@@ -584,6 +673,8 @@ class Planner:
         if layout.zero_stage == 3:  # the gathered unit + the prefetched one: a layer, or a tensor
             unit = max(model.layer_tensor_sizes(t)) if p.software.zero3_per_parameter else model.layer_sharded_params / t
             buffers += 2 * c * unit
+            if model.n_experts:  # an MoE block's experts: their own unit, gathered over the expert replicas
+                buffers += 2 * c * model.moe_layer_expert_params / (layout.ep * t)
         if pp > 1:
             buffers += 2 * c * mb * local_seq * model.hidden / (t if layout.sequence_parallel else 1)
         if cp > 1:
@@ -635,6 +726,32 @@ class Planner:
             backward_window=max(layers) * cost.backward if overlaps else 0.0,
             forward_window=max(layers) * cost.forward if sw.overlap_param_gather else 0.0,  # the first micro-batch waits
         )
+
+    def _expert_data_parallel_time(self, layout: Layout, layers: list[int], cost: Any, dense: DataParallelTime) -> DataParallelTime:
+        """The routed experts' data-parallel collectives, over their replicas (``dp x cp / ep`` ranks
+        ``tp x ep`` apart), in the backward window the dense ones (``dense``) left. ZeRO-3: each MoE
+        block's experts are one unit whose gathers are counted exposed (no prefetch modelled)."""
+        p, model, sw = self.problem, self.problem.model, self.problem.software
+        t, replicas, ep = layout.tp, layout.dp * layout.cp, layout.ep
+        expert = max(layers) * model.layer_expert_params / (ep * t)
+        group = self._group(t * ep, replicas // ep)
+        m = layout.micro_batches(p.global_batch)
+        if layout.zero_stage == 3:  # each MoE block's experts: one FSDP2 unit, gathered twice per micro-batch
+            moe_layers = max(1, round(max(layers) * model.moe_share))
+            expert_time = sharded_params_comm(
+                [model.moe_layer_expert_params / (ep * t)], moe_layers, 0.0, m, self.c, sw.grad_reduce_bytes, False, 0.0,
+                group, self.nccl, 0.0, 0.0, 0.0, 0.0,
+                self.problem.cluster.device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY,
+            )
+        else:
+            overlaps = sw.overlap_grad_reduce and (layout.pp == 1 or sw.overlap_grad_reduce_with_pp)
+            backward = max(layers) * cost.backward if overlaps else 0.0
+            forward = max(layers) * cost.forward if sw.overlap_param_gather else 0.0
+            expert_time = replicated_params_comm(
+                layout.zero_stage, expert, self.c, sw.grad_reduce_bytes, sw.grad_bucket_mb * 2**20, group, self.nccl,
+                backward_window=max(0.0, backward + forward - dense.hidden), forward_window=0.0,
+            )
+        return dense.merged(expert_time, "expert_")
 
     # -- the search space ---------------------------------------------------------------------
     # Candidates come from the software profile's options; a candidate is proposed only when no rule
@@ -700,6 +817,10 @@ class Planner:
         if v > 1 and pp <= model.n_layer:  # pp alone is checked with the degrees
             out += pipeline_refusals(pp, v, model)
         out += sequence_parallel_refusals(t, layout.sequence_parallel, model)
+        if model.n_experts or layout.ep > 1:
+            out += expert_refusals(tp=t, pp=pp, cp=layout.cp, model=model, ep=layout.ep, sequence_parallel=layout.sequence_parallel)
+            if layout.ep > 1 and (d * layout.cp) % layout.ep:
+                out += world_refusals(dp=d, tp=t, pp=pp, cp=layout.cp, ep=layout.ep, world_size=layout.world)
         if layout.cp > 1:
             out += context_parallel_refusals(layout.cp, layout.context_parallel_mode, t, layout.sequence_parallel, model)
             if sw.context_parallel_modes and layout.context_parallel_mode not in sw.context_parallel_modes:
@@ -835,6 +956,8 @@ class Planner:
                 pairs += [(s, v) for v in choices("virtual_stages", fitting or ([2] if "schedule" in fixed else []))]
         sps = choices("sequence_parallel", [s for s in sw.sequence_parallel if not s or t > 1])
         modes = choices("context_parallel_mode", list(sw.context_parallel_modes or CP_MODES) if cp > 1 else ["ring"])
+        experts = model.n_experts
+        eps = choices("ep", [1] + [e for e in range(2, d * cp + 1) if (d * cp) % e == 0 and experts % (e * t) == 0] if experts else [1])
         for mb in sizes:
             for schedule, v in pairs:
                 for zero in choices("zero_stage", sw.zero_stages):
@@ -842,7 +965,8 @@ class Planner:
                         for recompute in choices("recompute", sw.recompute):
                             for offload in choices("offload", ["none"]):
                                 for mode in modes:
-                                    yield Layout(d, t, pp, mb, schedule, v, zero, sp, recompute, offload, cp, mode)
+                                    for ep in eps:
+                                        yield Layout(d, t, pp, mb, schedule, v, zero, sp, recompute, offload, cp, mode, ep)
 
     def options(self, d: int, t: int, pp: int, cp: int = 1) -> Iterator[Layout]:
         """The candidates for (dp, tp, pp, cp) that no rule refuses (the degrees are checked by

@@ -53,10 +53,11 @@ class MicroBatchCost:
     linear_forward: float = 0.0  # of ``forward``: the GEMMs of the layer's weight matrices alone
     attention_forward: float = 0.0  # of ``forward``: the attention core (scores and values), what cp splits
     cp_comm: float = 0.0  # context parallelism's exposed K/V exchange (planner/context_parallel.py)
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (averaged over the blocks, MoE or dense)
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.tp_comm + self.cp_comm
+        return self.forward + self.backward + self.tp_comm + self.cp_comm + self.ep_comm
 
 
 def p2p_seconds(nbytes: float, gb_per_s: float) -> float:
@@ -88,6 +89,9 @@ def layer_cost(
     hidden = tokens * model.hidden * (HIDDEN_BYTES + (HIDDEN_DROPOUT_BYTES if model.dropout else 0.0))
     hidden /= tp if sequence_parallel else 1  # outside the tp region, replicated unless split by SP
     ffn = tokens * model.ffn / tp * FFN_BYTES[model.gated_mlp]
+    if model.n_experts:  # MoE blocks: their routed rows' and shared experts' SwiGLUs in place of the MLP
+        dense = (1 - model.moe_share) * model.ffn
+        ffn = tokens / tp * (dense * FFN_BYTES[model.gated_mlp] + (model.layer_ffn_width - dense) * FFN_BYTES[True])
     scores = 0.0
     if not flash_attention:
         per_score = SCORE_BYTES + (SCORE_DROPOUT_BYTES if model.dropout else 0.0)
@@ -100,7 +104,7 @@ def layer_cost(
     collectives = 4 + (2 if recompute == "full" else 0)  # two in forward, two in backward, two in recompute
     activation = tokens * model.hidden * 2.0
     tp_comm = collectives * collective_cost("all_reduce", activation, tp_group, nccl).seconds
-    linear = gemm_fwd * 2.0 * model.layer_matmul_params / model.layer_forward_flops_per_token()
+    linear = gemm_fwd * 2.0 * model.layer_active_matmul_params / model.layer_forward_flops_per_token()
     attention = gemm_fwd * model.attention_forward_flops_per_token() / model.layer_forward_flops_per_token()
     return MicroBatchCost(forward, backward, tp_comm, linear, attention)
 

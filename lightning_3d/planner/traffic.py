@@ -24,6 +24,13 @@ Per micro-batch and layer, with ``A = b (s / cp) h c`` (one activation of this r
 * ``dp`` (the dp x cp weight replicas): ZeRO 1-2 reduce-scatter fp32 gradients and all-gather the
   16-bit parameters once per step; ZeRO 0 all-reduces fp32 gradients; ZeRO 3 gathers every layer
   twice and reduce-scatters its gradients per micro-batch.
+* ``ep`` (the expert group): per MoE block and micro-batch, the dispatch and the combine
+  all-to-all of the routed rows (``top_k`` per token, this tp rank's ``1 / t`` of them, ``h c`` bytes
+  each) in forward, both again in backward and in full recomputation's forward, and one all-to-all
+  of the ``E`` per-expert counts per forward. Balanced routing (``expert_imbalance`` scales the rows).
+* ``edp`` (the expert replicas, ``dp x cp / ep``): the routed experts' gradients and ZeRO gathers, as
+  ``dp`` for the dense weights (which ``dp`` then leaves out). Under tp, the MoE routers' gradients
+  (partial on each tp rank) are all-reduced over tp once per gradient hand-over.
 * ``embedding``: with tied embeddings over pp > 1, the first and last stage all-reduce the tied
   weight's gradient once per step (its tp shard, in the compute dtype).
 """
@@ -49,7 +56,7 @@ def ring(op: str, nbytes: float, n: int) -> float:
 
 
 def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunks: list[int]) -> dict[str, float]:
-    """Bytes per group (``tp``, ``cp``, ``pp``, ``dp``, ``embedding``) pipeline stage ``index`` sends per
+    """Bytes per group (``tp``, ``cp``, ``pp``, ``ep``, ``dp``, ``edp``, ``embedding``) pipeline stage ``index`` sends per
     step. ``chunks``: the pieces it holds, in the runtime's numbering (for which sends exist)."""
     problem = planner.problem
     model: ModelShape = problem.model
@@ -71,7 +78,9 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
         # backward has what it saved, before the MLP's output all-reduce, unless a dropout after it keeps a mask
         calls = 4 + ((2 if model.dropout else 1) if full else 0)
         if layout.sequence_parallel:  # backward all-gathers the kept sequence shards of the q/k/v and MLP inputs again
-            calls += 1  # (two all-gathers: one all-reduce's bytes)
+            # (two all-gathers: one all-reduce's bytes); an MoE block keeps its gathered input, unless a full
+            # recompute gathers it again (as measured by the dry run)
+            calls += 1 if full else 1 - 0.5 * model.moe_share
         per_micro = layers[index] * calls * ring("all_reduce", act, t)  # an all-reduce, or an AG + RS pair under SP
         if first:  # vocab-parallel embedding: its output summed (reduce-scattered under SP)
             per_micro += ring("reduce_scatter" if layout.sequence_parallel else "all_reduce", act, t)
@@ -81,10 +90,14 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
                 per_micro += ring("all_gather", act, t)  # its kept sequence shard, gathered again in backward
             per_micro += 3 * ring("all_reduce", mb * local * 4.0, t)  # vocab-parallel cross-entropy, fp32 per token
         out["tp"] = m * per_micro
+        # weights whose gradient is partial on each tp rank, summed once per gradient hand-over: the norms
+        # under sequence parallelism, MoE routers under any tp
+        partial = layers[index] * model.moe_share * model.hidden * model.n_experts
         if layout.sequence_parallel:
-            norms = layers[index] * 2 * model.hidden * (2 if model.bias else 1) + (model.hidden if last else 0)
+            partial += layers[index] * 2 * model.hidden * (2 if model.bias else 1) + (model.hidden if last else 0)
+        if partial:
             hand_overs = 1 if pp > 1 else m  # the pipeline sums once per step; without it every backward
-            out["tp"] += hand_overs * ring("all_reduce", norms * c, t)
+            out["tp"] += hand_overs * ring("all_reduce", partial * c, t)
 
     # -- context parallel ----------------------------------------------------------------------------
     if cp > 1:
@@ -102,18 +115,32 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
             sends -= 2  # the V's bottom: pieces pp-1 and pp on this rank hand over without a send
         out["pp"] = m * sends * boundary
 
-    # -- data parallel (the weight replicas: dp x cp) ------------------------------------------------------
-    psi = planner.stage_psi(layout, layers, index)
-    grad_bytes = problem.software.grad_reduce_bytes
-    if d > 1:
-        if layout.zero_stage == 0:
-            out["dp"] = ring("all_reduce", psi * grad_bytes, d)
-        elif layout.zero_stage in (1, 2):
-            out["dp"] = ring("reduce_scatter", psi * grad_bytes, d) + ring("all_gather", psi * c, d)
-        else:
-            out["dp"] = m * (2 * ring("all_gather", psi * c, d) + ring("reduce_scatter", psi * grad_bytes, d))
+    # -- expert parallel: each MoE block's row exchanges (dispatch and combine per forward and backward,
+    # again in a full recompute) and the per-expert counts before each forward's -------------------------
+    if layout.ep > 1:
+        forwards = 2 if full else 1
+        rows = planner.expert_exchange(mb, t, cp, layout.ep)["row_bytes"]
+        per_layer = 2 * (forwards + 1) * ring("all_to_all", rows, layout.ep) + forwards * ring("all_to_all", 8.0 * model.n_experts, layout.ep)
+        out["ep"] = m * layers[index] * model.moe_share * per_layer
+
+    # -- data parallel: the dense weights over their replicas (dp x cp), the experts over theirs (edp) -------
+    dense, expert = planner.stage_params(layout, layers, index)
+    for name, psi, replicas in (("dp", dense, d), ("edp", expert, d // layout.ep)):
+        if replicas > 1 and psi:
+            out[name] = _replica_traffic(layout.zero_stage, psi, replicas, c, problem.software.grad_reduce_bytes, m)
 
     # -- tied embedding copies over the pipeline ------------------------------------------------------
     if pp > 1 and model.tied_embeddings and (first or last) and head_stage(layout.schedule, pp) != 0:
         out["embedding"] = ring("all_reduce", model.vocab * model.hidden / t * c, 2)
     return out
+
+
+def _replica_traffic(zero_stage: int, psi: float, replicas: int, c: float, grad_bytes: float, micro_batches: int) -> float:
+    """Bytes one rank sends per step for ``psi`` parameters replicated over ``replicas`` ranks: ZeRO 0
+    all-reduces the gradients, ZeRO 1-2 reduce-scatter them and all-gather the parameters, ZeRO 3
+    gathers twice and reduce-scatters per micro-batch."""
+    if zero_stage == 0:
+        return ring("all_reduce", psi * grad_bytes, replicas)
+    if zero_stage in (1, 2):
+        return ring("reduce_scatter", psi * grad_bytes, replicas) + ring("all_gather", psi * c, replicas)
+    return micro_batches * (2 * ring("all_gather", psi * c, replicas) + ring("reduce_scatter", psi * grad_bytes, replicas))

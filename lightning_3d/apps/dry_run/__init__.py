@@ -129,14 +129,19 @@ class DryRunReport:
 
 
 def _group_names(dims: ParallelDims, rank: int) -> Any:
-    """Process group -> "tp" | "cp" | "pp" | "dp" (the dp x cp weight replicas) | "dp_samples" | "embedding"."""
+    """Process group -> "tp" | "cp" | "pp" | "dp" (the dp x cp weight replicas) | "dp_samples" |
+    "embedding" | "ep" (the expert group: ``ep`` adjacent replicas) | "edp" (the expert replicas)."""
     c = dims.coordinates(rank)
     known: dict[frozenset[int], str] = {}
-    replicas = frozenset(dims.rank_of(c._replace(dp=i, cp=j)) for i in range(int(dims.dp)) for j in range(dims.cp))
+    ordered = [dims.rank_of(c._replace(dp=i, cp=j)) for i in range(int(dims.dp)) for j in range(dims.cp)]  # the replica mesh's order
+    mine = ordered.index(rank)
+    replicas = frozenset(ordered)
     for name, ranks in (
         ("tp", dims.group_ranks("tp", rank)), ("cp", dims.group_ranks("cp", rank)), ("pp", dims.group_ranks("pp", rank)),
         ("dp", replicas), ("dp_samples", dims.group_ranks("dp", rank)),
         ("embedding", {dims.rank_of(c._replace(pp=0)), dims.rank_of(c._replace(pp=dims.pp - 1))}),
+        ("ep", [r for i, r in enumerate(ordered) if i // dims.ep == mine // dims.ep]),
+        ("edp", [r for i, r in enumerate(ordered) if i % dims.ep == mine % dims.ep]),
     ):
         known.setdefault(frozenset(ranks), name)
 
@@ -165,6 +170,7 @@ def batch_of(cfg: DictConfig, config: ParallelConfig, dims: ParallelDims) -> Bat
 def dry_run(cfg: DictConfig, only: Optional[list[int]] = None) -> DryRunReport:
     """Set up and step the representative ranks (``only``: these global ranks instead) of the layout
     ``cfg`` runs; the planner's prediction for each alongside."""
+    from lightning_3d.apps.dry_run.balanced_routing import balanced_routing
     from lightning_3d.apps.dry_run.counting import counting_collectives
     from lightning_3d.apps.recipe import build_config
     from lightning_3d.pipeline.partition import partition
@@ -198,7 +204,7 @@ def dry_run(cfg: DictConfig, only: Optional[list[int]] = None) -> DryRunReport:
     clip = bool(cfg.trainer.get("gradient_clip_val"))
     with counting_collectives():
         for role in chosen:
-            with fake_world(world, role.rank):
+            with fake_world(world, role.rank), balanced_routing():
                 measured = measure_rank(cfg, config, dims, role.rank, batch, _group_names(dims, role.rank), clip)
             stage = role.coords.pp
             sizes = [ranges[k][1] - ranges[k][0] for k in chunks_of[stage]]

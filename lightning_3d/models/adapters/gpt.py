@@ -313,18 +313,6 @@ class GPTAdapter(ModelAdapter):
     def model_shape(self, model: nn.Module, seq_len: int) -> ModelShape:
         return ModelShape.from_config(asdict(model.config), seq_len)
 
-    def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
-        """The dense count, with each MoE block's MLP replaced by what a token computes there: its
-        router and its ``top_k`` routed plus the shared SwiGLU experts (forward + backward: 3x)."""
-        dense = super().flops_per_token(model, seq_len)
-        c = model.config
-        blocks = c.moe_blocks
-        if not blocks:
-            return dense
-        mlp = 2.0 * (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.ffn_dim
-        moe = 2.0 * c.n_embd * c.n_experts + 2.0 * 3 * c.n_embd * c.expert_dim * (c.top_k + c.n_shared_experts)
-        return dense + 3.0 * blocks * (moe - mlp)
-
     def hf_export(self, model_config: Any) -> tuple[Any, list[ExportTensor]]:
         """``model_config``: the ``GPTConfig`` (or its dict, as ``GPTModule`` checkpoints record it).
         GPT-2 architecture -> ``GPT2Config`` and :func:`gpt2_tensors`; Llama architecture ->
