@@ -593,6 +593,10 @@ def test_experts_split_over_ep_and_their_state_over_the_expert_replicas() -> Non
     # Adam's fp32 state (K = 8 bytes in 32-true): dense over 16 replicas, experts over 16 / 8 = 2
     assert eight.memory["optimizer"] == pytest.approx(8.0 * (dense_only / 16 + experts / 8 / 2))
     assert "ep" in eight.comm and "ep" not in one.comm and eight.time["ep_comm"] > 0
+    skewed = Planner(replace(problem, expert_imbalance=2.0))  # the busiest rank of a group: twice the rows
+    assert skewed.evaluate(base).memory == one.memory  # (one rank holding every expert computes all its rows anyway)
+    assert skewed.evaluate(replace(base, ep=8)).memory["activations"] > eight.memory["activations"]
+    assert skewed.evaluate(replace(base, ep=8)).step_seconds > eight.step_seconds
     assert eight.layout.strategy_kwargs(64)["expert_parallel"] == 8
     assert any(e.layout.ep > 1 for e in planner.search())
     rules = {r.rule for r in planner.refusals(replace(base, ep=3))}

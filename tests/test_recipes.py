@@ -56,8 +56,9 @@ def test_full_recipe_is_a_valid_plan_that_fits(recipe: str) -> None:
 
 
 def test_the_moe_recipe_is_a_layout_the_strategy_takes_for_its_cluster() -> None:
-    """qwen3_235b_class: the planner does not count experts yet (it refuses them), so its layout is
-    held to the strategy's rules for its 512 GPUs and to the model's shape (built on the meta device)."""
+    """qwen3_235b_class: its layout is held to the strategy's rules for its 512 GPUs and to the model's
+    shape (built on the meta device), and the planner, which counts the experts, says it fits (the dry
+    run's test holds the planner's counts to the set-up's tensors)."""
     import torch
     from omegaconf import OmegaConf
 
@@ -76,6 +77,12 @@ def test_the_moe_recipe_is_a_layout_the_strategy_takes_for_its_cluster() -> None
     with torch.device("meta"):
         model = GPT(gpt_config)
     config.check_models([("model", adapter_for(model).dims(model))])
+    from lightning_3d.planner import Planner, problem_from_config
+    from lightning_3d.planner.recipe_layout import layout_of
+
+    estimate = Planner(problem_from_config(cfg)).evaluate(layout_of(cfg, world))
+    assert estimate.fits and 15 < estimate.memory["params"] / 2**30 < 18, estimate.memory
+    assert estimate.comm["ep"]["ranks"] == 8 and estimate.comm["ep"]["nodes"] == 1  # the all-to-alls stay in a node
 
 
 # In `make test-slow` with the other tiny recipes; make test trains MoE at pp x ep in

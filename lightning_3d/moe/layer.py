@@ -51,6 +51,22 @@ class SharedExperts(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _Combine(torch.autograd.Function):
+    """Each token's weighted rows summed into its output row (``index_add_``, deterministic on the CPU),
+    keeping only the index for backward: autograd's own ``index_add_`` keeps a copy of its source (h values
+    per routed row, for nothing), and an accumulating ``index_put_`` adds in a varying order on CPU threads."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor, tokens: int) -> Tensor:  # noqa: ANN001 - autograd's context
+        ctx.save_for_backward(index)
+        return rows.new_zeros((tokens, rows.shape[-1])).index_add_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 def _count(ids: Tensor, n: int) -> Tensor:
     """How many of ``ids`` equal each of ``0..n-1``, on their device without a host read
     (``torch.bincount`` reads the maximum back on CUDA)."""
@@ -136,10 +152,8 @@ class MoE(nn.Module):
             rows = self.experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
         else:
             rows = dispatch_to_experts(tokens[token_of_row], counts, self.experts, self.expert_group)
-        # in the experts' dtype (autocast's, as a dense MLP's output would be); an accumulating index_put, not
-        # index_add_, whose backward keeps a copy of the weighted rows (h values per row) for nothing
-        weighted = rows * weight_of_row.to(rows.dtype)[:, None]
-        out = tokens.new_zeros(tokens.shape, dtype=rows.dtype).index_put_((token_of_row,), weighted, accumulate=True)
+        # in the experts' dtype (autocast's, as a dense MLP's output would be)
+        out = _Combine.apply(rows * weight_of_row.to(rows.dtype)[:, None], token_of_row, tokens.shape[0])
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(shape)

@@ -38,6 +38,8 @@ class DataParallelTime:
     transfer: float = 0.0
     collectives: int = 0
     copy: float = 0.0  # exposed device-memory copies around the collectives (FSDP2's copy-out)
+    hidden_backward: float = 0.0  # of ``hidden``: behind the last backward (ZeRO 0-2's gradient collectives)
+    hidden_forward: float = 0.0  # of ``hidden``: behind the next forward (ZeRO 1-2's parameter gather)
     detail: dict[str, Any] = field(default_factory=dict)
 
     def add(self, name: str, cost: CollectiveCost, count: float) -> CollectiveCost:
@@ -61,7 +63,9 @@ class DataParallelTime:
         return DataParallelTime(
             exposed=self.exposed + other.exposed, hidden=self.hidden + other.hidden, latency=self.latency + other.latency,
             transfer=self.transfer + other.transfer, collectives=self.collectives + other.collectives,
-            copy=self.copy + other.copy, detail={**self.detail, **{prefix + name: v for name, v in other.detail.items()}},
+            copy=self.copy + other.copy, hidden_backward=self.hidden_backward + other.hidden_backward,
+            hidden_forward=self.hidden_forward + other.hidden_forward,
+            detail={**self.detail, **{prefix + name: v for name, v in other.detail.items()}},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,7 +113,8 @@ def replicated_params_comm(
     if stage in (1, 2):
         cost, count = _bucketed("all_gather", params * c, bucket_bytes, group, nccl)
         gather = out.add("param_all_gather", cost, count).seconds
-    hidden = min(grads, backward_window) + min(gather, forward_window)
+    out.hidden_backward, out.hidden_forward = min(grads, backward_window), min(gather, forward_window)
+    hidden = out.hidden_backward + out.hidden_forward
     out.hidden, out.exposed = hidden, grads + gather - hidden
     return out
 

@@ -426,7 +426,7 @@ class Planner:
         def a2a(nbytes: float) -> float:
             return all_to_all_seconds(nbytes, ep, nodes, cluster.intra_node_gb_per_s, net, self.nccl)
 
-        return {"row_bytes": row_bytes, "rows_s": a2a(row_bytes), "counts_s": a2a(8.0 * model.n_experts)}
+        return {"row_bytes": row_bytes, "rows_s": a2a(row_bytes), "counts_s": a2a(8.0 * model.n_experts / tp)}  # (its tp rank's experts)
 
     def _with_experts(self, cost: MicroBatchCost, mb: int, tp: int, recompute: str, cp: int, ep: int) -> MicroBatchCost:
         """Expert parallelism's exchanges (dispatch and combine in each forward, both again in backward
@@ -494,7 +494,8 @@ class Planner:
             _, memory = self.stage_memory(layout, layers, index, flight)
             if best_memory is None or memory["total"] > best_memory["total"]:
                 best_memory = memory
-            psi_max = max(psi_max, self.stage_params(layout, layers, index)[0])
+            dense, expert = self.stage_params(layout, layers, index)
+            psi_max = max(psi_max, dense + (expert if layout.ep == 1 else 0.0))
             optimizer_shard = max(optimizer_shard, self.optimizer_shard(layout, layers, index))
         assert best_memory is not None
 
@@ -538,7 +539,7 @@ class Planner:
         pipeline = m * per_micro_batch + bubble
 
         dp_time = self._data_parallel_time(layout, layers, psi_max, cost)
-        if model.n_experts:
+        if layout.ep > 1:
             dp_time = self._expert_data_parallel_time(layout, layers, cost, dp_time)
         exposed_dp = dp_time.exposed
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
@@ -649,9 +650,8 @@ class Planner:
         has_head = index == head_stage(layout.schedule, pp)
         dense, expert = self.stage_params(layout, layers, index)
         psi = dense + expert
-        act_opts = ActivationOptions(
-            t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp, p.expert_imbalance
-        )
+        imbalance = p.expert_imbalance if layout.ep * t > 1 else 1.0  # (one rank holding every expert computes all its rows)
+        act_opts = ActivationOptions(t, layout.sequence_parallel, layout.recompute, p.software.flash_attention, c, cp, imbalance)
         grad_bytes = c + (p.software.extra_grad_bytes if c == 2.0 else 0.0)
         states = zero_model_state_bytes(dense, layout.zero_stage, d * cp, k=k, c=c, grad_bytes=grad_bytes)  # ZeRO spans dp x cp
         if expert:  # the expert replicas: dp x cp / ep
@@ -712,9 +712,13 @@ class Planner:
         m = layout.micro_batches(p.global_batch)
         group = self._group(t, d, own_adapter=sw.zero3_own_adapter and layout.zero_stage == 3)
         if layout.zero_stage == 3:
+            tensors = model.layer_tensor_sizes(t)
             layer_psi = model.layer_sharded_params / t + model.layer_replicated_params
+            if model.n_experts and layout.ep == 1:  # the experts are in the block's unit, over every replica
+                tensors = tensors + [model.layer_expert_params / t]
+                layer_psi += model.layer_expert_params / t
             return sharded_params_comm(
-                model.layer_tensor_sizes(t), max(layers), max(0.0, psi - max(layers) * layer_psi), m, self.c,
+                tensors, max(layers), max(0.0, psi - max(layers) * layer_psi), m, self.c,
                 sw.grad_reduce_bytes, sw.zero3_per_parameter, sw.zero3_persist_below,
                 group, self.nccl, cost.forward + cost.tp_comm / 2, cost.backward + cost.tp_comm / 2, cost.linear_forward,
                 cost.forward if layout.recompute == "full" else 0.0,
@@ -728,9 +732,11 @@ class Planner:
         )
 
     def _expert_data_parallel_time(self, layout: Layout, layers: list[int], cost: Any, dense: DataParallelTime) -> DataParallelTime:
-        """The routed experts' data-parallel collectives, over their replicas (``dp x cp / ep`` ranks
-        ``tp x ep`` apart), in the backward window the dense ones (``dense``) left. ZeRO-3: each MoE
-        block's experts are one unit whose gathers are counted exposed (no prefetch modelled)."""
+        """At ``ep > 1``: the routed experts' data-parallel collectives, over their replicas (``dp x cp / ep``
+        ranks ``tp x ep`` apart), in the backward and forward windows the dense ones (``dense``) left.
+        ZeRO-3: each MoE block's experts are then one unit (FSDP2 over the expert replicas) whose gathers
+        are counted exposed (no prefetch modelled). At ``ep = 1`` the experts are the replicas' like any
+        weight (:meth:`_data_parallel_time` counts them)."""
         p, model, sw = self.problem, self.problem.model, self.problem.software
         t, replicas, ep = layout.tp, layout.dp * layout.cp, layout.ep
         expert = max(layers) * model.layer_expert_params / (ep * t)
@@ -749,7 +755,8 @@ class Planner:
             forward = max(layers) * cost.forward if sw.overlap_param_gather else 0.0
             expert_time = replicated_params_comm(
                 layout.zero_stage, expert, self.c, sw.grad_reduce_bytes, sw.grad_bucket_mb * 2**20, group, self.nccl,
-                backward_window=max(0.0, backward + forward - dense.hidden), forward_window=0.0,
+                backward_window=max(0.0, backward - dense.hidden_backward),
+                forward_window=max(0.0, forward - dense.hidden_forward),
             )
         return dense.merged(expert_time, "expert_")
 

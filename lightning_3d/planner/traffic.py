@@ -125,6 +125,8 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
 
     # -- data parallel: the dense weights over their replicas (dp x cp), the experts over theirs (edp) -------
     dense, expert = planner.stage_params(layout, layers, index)
+    if layout.ep == 1:  # (the experts are then the replicas' like any weight)
+        dense, expert = dense + expert, 0.0
     for name, psi, replicas in (("dp", dense, d), ("edp", expert, d // layout.ep)):
         if replicas > 1 and psi:
             out[name] = _replica_traffic(layout.zero_stage, psi, replicas, c, problem.software.grad_reduce_bytes, m)

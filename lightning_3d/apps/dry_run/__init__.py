@@ -128,28 +128,51 @@ class DryRunReport:
         }
 
 
-def _group_names(dims: ParallelDims, rank: int) -> Any:
-    """Process group -> "tp" | "cp" | "pp" | "dp" (the dp x cp weight replicas) | "dp_samples" |
-    "embedding" | "ep" (the expert group: ``ep`` adjacent replicas) | "edp" (the expert replicas)."""
+def _group_list(dims: ParallelDims, rank: int) -> list[tuple[str, frozenset[int]]]:
+    """(name, rank set) of ``rank``'s groups: "tp", "cp", "pp", "dp" (the dp x cp weight replicas),
+    "dp_samples", "embedding", "ep" (the expert group: ``ep`` adjacent replicas), "edp" (the expert replicas)."""
     c = dims.coordinates(rank)
-    known: dict[frozenset[int], str] = {}
     ordered = [dims.rank_of(c._replace(dp=i, cp=j)) for i in range(int(dims.dp)) for j in range(dims.cp)]  # the replica mesh's order
     mine = ordered.index(rank)
-    replicas = frozenset(ordered)
-    for name, ranks in (
+    groups = (
         ("tp", dims.group_ranks("tp", rank)), ("cp", dims.group_ranks("cp", rank)), ("pp", dims.group_ranks("pp", rank)),
-        ("dp", replicas), ("dp_samples", dims.group_ranks("dp", rank)),
+        ("dp", ordered), ("dp_samples", dims.group_ranks("dp", rank)),
         ("embedding", {dims.rank_of(c._replace(pp=0)), dims.rank_of(c._replace(pp=dims.pp - 1))}),
         ("ep", [r for i, r in enumerate(ordered) if i // dims.ep == mine // dims.ep]),
         ("edp", [r for i, r in enumerate(ordered) if i % dims.ep == mine % dims.ep]),
-    ):
-        known.setdefault(frozenset(ranks), name)
+    )
+    return [(name, frozenset(ranks)) for name, ranks in groups]
+
+
+def _known_groups(dims: ParallelDims, rank: int) -> dict[frozenset[int], str]:
+    """Rank set -> name; where two groups coincide (the expert replicas at ep=1 are the replicas, the
+    expert group at ep=cp is the cp group), the first name of :func:`_group_list`."""
+    known: dict[frozenset[int], str] = {}
+    for name, ranks in _group_list(dims, rank):
+        known.setdefault(ranks, name)
+    return known
+
+
+def _group_names(dims: ParallelDims, rank: int) -> Any:
+    """Process group -> its name in :func:`_known_groups`."""
+    known = _known_groups(dims, rank)
 
     def name(group: Any) -> str:
         ranks = frozenset(dist.get_process_group_ranks(group))
         return known.get(ranks, f"world" if len(ranks) == dims.world_size else f"group of {len(ranks)}")
 
     return name
+
+
+def _as_measured(traffic: dict[str, float], dims: ParallelDims, rank: int) -> dict[str, float]:
+    """The planner's bytes per group under the names the dry run gives their rank sets."""
+    known = _known_groups(dims, rank)
+    alias = {name: known[ranks] for name, ranks in _group_list(dims, rank)}
+    out: dict[str, float] = {}
+    for name, nbytes in traffic.items():
+        key = alias.get(name, name)
+        out[key] = out.get(key, 0.0) + nbytes
+    return out
 
 
 def batch_of(cfg: DictConfig, config: ParallelConfig, dims: ParallelDims) -> Batch:
@@ -216,7 +239,8 @@ def dry_run(cfg: DictConfig, only: Optional[list[int]] = None) -> DryRunReport:
             _, memory = planner.stage_memory(layout, cut, stage, flight)
             predicted = {k: memory[k] for k in ("params", "grads", "optimizer", "activations", "recompute", "buffers", "reserved")}
             predicted["in_flight"] = flight
-            predicted["traffic"] = step_traffic(planner, layout, cut, stage, chunks_of[stage])  # type: ignore[assignment]
+            traffic = step_traffic(planner, layout, cut, stage, chunks_of[stage])
+            predicted["traffic"] = _as_measured(traffic, dims, role.rank)  # type: ignore[assignment]
             states = sum(measured.memory.values())
             total = states + measured.activations + measured.recompute + memory["buffers"] + memory["reserved"]
             report.roles.append(RoleReport(role, measured, predicted, total))
