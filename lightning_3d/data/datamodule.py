@@ -2,52 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
 from lightning_3d.data.corpus import DEFAULT_MAX_BYTES, TokenWindows, read_token_file, split_tokens, stdlib_bytes
+from lightning_3d.data.sampler import ResumableDataLoader
 from lightning_3d.data.vocab import check_data_vocab, model_vocab_size
 from lightning_3d.monitoring.callbacks import data_parallel_size
-
-
-class ResumableDataLoader(DataLoader):
-    """A DataLoader that resumes mid-epoch at the next unseen batch.
-
-    Lightning saves and restores the state of loaders that have ``state_dict``/``load_state_dict``.
-    The state is the number of batches the *training loop* finished in this epoch (``progress``),
-    not how many this loader yielded: Lightning prefetches one batch ahead. On resume the first
-    iteration skips that many batches; the skip happens lazily so that the sampler's epoch
-    (set by Lightning after the iterator is created) already applies.
-    """
-
-    def __init__(self, *args: Any, progress: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.progress = progress
-        self._skip = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"batches_done": int(self.progress()) if self.progress is not None else 0}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._skip = int(state.get("batches_done", 0))
-
-    def __iter__(self) -> Iterator[Any]:
-        skip, self._skip = self._skip, 0
-        iterator = super().__iter__()
-        if not skip:
-            return iterator
-
-        def resumed() -> Iterator[Any]:
-            for _ in range(skip):
-                if next(iterator, None) is None:
-                    return
-            yield from iterator
-
-        return resumed()
 
 
 class TextDataModule(L.LightningDataModule):

@@ -1,0 +1,196 @@
+"""Issue 35: one global data cursor. An epoch's order is a function of (seed, epoch); a checkpoint keeps how
+many samples the finished batches consumed; a resume continues with exactly the next unseen samples at any
+data-parallel size, for a user's map-style dataset through the strategy's sampler and for our token windows,
+without reading what came before."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_3d.data.sampler import GlobalCursorSampler, ResumableDataLoader, with_global_cursor
+from lightning_3d.testing.harness import run_on_ranks
+from tests.helpers import TINY_GPT, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt, world_shape
+
+
+class Counted(Dataset):
+    """Sample ``i`` is ``i``; counts the samples read."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.reads += 1
+        return i
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_order_is_torchs_and_each_global_batch_is_the_same_run_of_it_at_any_dp(drop_last):
+    n, global_batch = 37, 8
+    runs = {}
+    for replicas in (1, 2, 4, 8):
+        samplers = [GlobalCursorSampler(n, replicas, r, seed=3, drop_last=drop_last) for r in range(replicas)]
+        for r, sampler in enumerate(samplers):
+            sampler.set_epoch(2)
+            torch_sampler = DistributedSampler(range(n), replicas, r, seed=3, drop_last=drop_last)
+            torch_sampler.set_epoch(2)
+            assert list(sampler) == list(torch_sampler)
+        per = [list(s) for s in samplers]
+        b = global_batch // replicas
+        runs[replicas] = [sorted(i for rank in per for i in rank[j * b:(j + 1) * b]) for j in range(len(per[0]) // b)]
+    order = samplers[0].order(2)
+    steps = n // global_batch
+    for replicas, batches in runs.items():
+        assert batches[:steps] == [sorted(order[j * global_batch:(j + 1) * global_batch]) for j in range(steps)], replicas
+
+
+def test_a_checkpointed_cursor_resumes_at_another_dp_reading_only_the_unseen_samples():
+    n, global_batch, done = 64, 8, 3  # stop after 3 global batches at dp4, resume at dp2 (and dp8)
+    saved = ResumableDataLoader(Counted(n), batch_size=2, sampler=GlobalCursorSampler(n, 4, 1), progress=lambda: done)
+    state = saved.state_dict()
+    assert state == {"batches_done": 3, "samples_per_batch": 8, "samples_consumed": 24}
+    for replicas in (2, 8):
+        b = global_batch // replicas
+        whole = [list(ResumableDataLoader(Counted(n), batch_size=b, sampler=GlobalCursorSampler(n, replicas, r))) for r in range(replicas)]
+        for r in range(replicas):
+            data = Counted(n)
+            resumed = ResumableDataLoader(data, batch_size=b, sampler=GlobalCursorSampler(n, replicas, r))
+            resumed.load_state_dict(state)
+            batches = list(resumed)
+            assert [t.tolist() for t in batches] == [t.tolist() for t in whole[r][done:]]
+            assert data.reads == (n // replicas) - done * b  # nothing before the cursor was read
+            assert len(resumed) == n // replicas // b  # Lightning's progress counts the batches before it
+    mismatched = ResumableDataLoader(Counted(n), batch_size=2, sampler=GlobalCursorSampler(n, 2, 0))
+    with pytest.raises(ValueError, match="4 per loader batch\\), where the checkpoint's run took 8"):
+        mismatched.load_state_dict(state)
+
+
+def test_only_a_plain_loader_with_lightnings_sampler_gets_the_cursor():
+    data = Counted(16)
+    plain = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, 1, seed=5))
+    converted = with_global_cursor(plain, lambda: 0)
+    assert isinstance(converted, ResumableDataLoader) and isinstance(converted.sampler, GlobalCursorSampler)
+    assert [t.tolist() for t in converted] == [t.tolist() for t in plain]
+
+    class Custom(DataLoader):
+        pass
+
+    for other in (Custom(data, batch_size=2, sampler=DistributedSampler(data, 2, 1)), DataLoader(data, batch_size=2)):
+        assert with_global_cursor(other, lambda: 0) is other
+
+
+# -- through Lightning: a user's dataset, a fresh process, another data-parallel size --------------------------
+STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 8
+
+
+class Windows(Dataset):
+    """A user's map-style dataset of (input, target) windows of a fixed random stream."""
+
+    def __init__(self) -> None:
+        stream = torch.from_numpy(np.random.default_rng(0).integers(0, TINY_GPT["vocab_size"], 48 * 33))
+        self.windows = stream.view(48, 33)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.windows[i, :-1], self.windows[i, 1:]
+
+
+class Seen(L.Callback):
+    """Per step: this rank's samples (their first tokens) and its loss."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[list[list[int]], float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.steps.append(([row[:6].tolist() for row in batch[0]], float(loss)))
+
+
+def _fit(steps: int, callbacks: list[Any], ckpt_path: Any = None, text: bool = False, **strategy: Any) -> list[Any]:
+    from lightning_3d import ThreeDParallelStrategy
+
+    L.seed_everything(0)
+    seen = Seen()
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, callbacks=[seen, *callbacks], enable_checkpointing=bool(callbacks),
+        precision="32-true", strategy=ThreeDParallelStrategy(**strategy),
+    )
+    model = tiny_gpt()
+    model.hparams.decay_steps = STEPS
+    dp = world_shape()[0] // (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1))
+    if text:  # our token windows, whose loader resumes by the same cursor
+        trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH), ckpt_path=ckpt_path)
+    else:
+        loader = DataLoader(Windows(), batch_size=GLOBAL_BATCH // dp, shuffle=True, drop_last=True)
+        trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+    assert isinstance(trainer.train_dataloader.sampler, GlobalCursorSampler)
+    return seen.steps
+
+
+def first_world(root: str, kinds: tuple[str, ...] = ("", "text")) -> dict[str, Any]:
+    checks = {}
+    for kind in kinds:
+        every = ModelCheckpoint(dirpath=Path(root) / f"ckpt{kind}", save_last=True, every_n_train_steps=SAVE_AT)
+        checks[f"full{kind}"] = lambda k=kind: _fit(STEPS, [], text=bool(k))
+        checks[f"first{kind}"] = lambda k=kind, c=every: _fit(SAVE_AT, [c], text=bool(k))
+    return run_checks(checks)
+
+
+def resumed_world(root: str, kinds: tuple[str, ...] = ("", "text"), **strategy: Any) -> dict[str, Any]:  # new processes, another layout
+    return run_checks({
+        f"resumed{kind}": lambda k=kind: _fit(STEPS, [], ckpt_path=str(Path(root) / f"ckpt{k}" / "last.ckpt"), text=bool(k), **strategy)
+        for kind in kinds
+    })
+
+
+def _per_step(results: list[dict[str, Any]], name: str) -> list[tuple[list[list[int]], float]]:
+    """Each step's samples over the replicas (sorted; tp and pp peers see their replica's) and the mean of
+    the ranks' losses (each reports its replica's batch loss)."""
+    ranks = [result_of(r, name) for r in results]
+    steps = range(len(ranks[0]))
+    return [
+        (sorted(map(list, {tuple(s) for rank in ranks for s in rank[i][0]})), float(np.mean([rank[i][1] for rank in ranks])))
+        for i in steps
+    ]
+
+
+def _check_resume(first: list[dict[str, Any]], resumed: list[dict[str, Any]], kind: str = "") -> None:
+    full, after = _per_step(first, f"full{kind}"), _per_step(resumed, f"resumed{kind}")
+    assert len(after) == STEPS - SAVE_AT
+    assert [ids for ids, _ in after] == [ids for ids, _ in full[SAVE_AT:]]
+    np.testing.assert_allclose([loss for _, loss in after], [loss for _, loss in full[SAVE_AT:]], rtol=1e-5)
+    if kind == "":  # (distinct random windows; text repeats itself)
+        epoch = [s for ids, _ in full for s in ids]
+        assert len(epoch) == STEPS * GLOBAL_BATCH and len({tuple(s) for s in epoch}) == len(epoch)  # no sample twice
+
+
+@pytest.fixture(scope="module")
+def dp4_then_dp2() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    root = tempfile.mkdtemp(prefix="l3d-cursor-")
+    return run_on_ranks(first_world, 4, root, timeout=600), run_on_ranks(resumed_world, 2, root, timeout=600)
+
+
+@pytest.mark.parametrize("kind", ["", "text"], ids=["users-dataset", "token-windows"])
+def test_resumed_at_another_dp_it_sees_the_uninterrupted_runs_samples(dp4_then_dp2, kind):
+    _check_resume(*dp4_then_dp2, kind=kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel": 2, "pipeline_parallel": 2}], ids=["dp8", "dp2-tp2-pp2"])
+def test_resumed_on_eight_ranks_at_dp8_or_dp2_tp2_pp2_too(layout):
+    root = tempfile.mkdtemp(prefix="l3d-cursor-8-")
+    first = run_on_ranks(first_world, 4, root, ("",), timeout=600)
+    _check_resume(first, run_on_ranks(resumed_world, 8, root, ("",), timeout=900, **layout))
