@@ -8,6 +8,9 @@
           | sigterm              12 steps of 0.4 s (a test sends SIGTERM part-way); exit 143 when interrupted
           | resume               the same 12-step run resumed from $RESUME_FROM
           | full12               the same 12-step run, uninterrupted (the reference)
+          | elastic_node         12 steps at a global batch of 24 (0.4 s each in the first attempt, for a test that
+                                 kills a node's agent), resumed from the last checkpoint at whatever size restarts
+          | full12_24            the same 12 steps at a global batch of 24, uninterrupted (the reference)
 
 With RANK in the environment the process is one rank of a job started by hand or by torchrun;
 without it, it is rank 0 and Lightning's launcher starts DEVICES - 1 more (start_method="popen").
@@ -22,6 +25,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+STARTED = time.time()  # the process's start, before Lightning's import (the elastic test's phase timings)
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -45,8 +50,10 @@ def die() -> None:
 
 
 class Record(L.Callback):
-    def on_train_start(self, trainer, module):  # noqa: ANN001
+    def on_train_start(self, trainer, module):  # noqa: ANN001 - after set-up and any checkpoint load
         (out / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+        with open(out / f"events{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"attempt": attempt, "started": STARTED, "train_start": time.time(), "world": trainer.world_size}) + "\n")
 
     def on_train_batch_start(self, trainer, module, batch, i):  # noqa: ANN001
         step, rank = trainer.global_step, trainer.global_rank
@@ -60,12 +67,12 @@ class Record(L.Callback):
             raise ValueError(f"a bug in the training step (step {step})")
         if mode == "slow":
             time.sleep(0.5)
-        if mode == "sigterm":
+        if mode == "sigterm" or (mode == "elastic_node" and attempt == 0):
             time.sleep(0.4)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, i):  # noqa: ANN001
         with open(out / f"rank{trainer.global_rank}.jsonl", "a") as f:
-            f.write(json.dumps({"attempt": attempt, "step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
+            f.write(json.dumps({"attempt": attempt, "step": trainer.global_step, "loss": float(outputs["loss"]), "time": time.time()}) + "\n")
 
 
 if mode == "kill_in_save" and os.environ.get("RANK") == "1":  # die half-way through writing the second checkpoint
@@ -83,15 +90,15 @@ if mode == "kill_in_save" and os.environ.get("RANK") == "1":  # die half-way thr
 L.seed_everything(0)
 checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}", save_last=True)
 trainer = quiet_trainer(
-    max_steps=10**6 if mode == "slow" else 12 if mode in ("sigterm", "resume", "full12") else 8,
+    max_steps=10**6 if mode == "slow" else 12 if mode in ("sigterm", "resume", "full12", "elastic_node", "full12_24") else 8,
     limit_val_batches=0,
     enable_checkpointing=mode != "slow",  # (slow runs until killed: no pile of checkpoints)
     callbacks=[Record()] + ([] if mode == "slow" else [checkpoint]),
     strategy=ThreeDParallelStrategy(timeout=timeout),
     **({} if launched_by_hand else {"devices": devices or 2, "num_nodes": 1}),
 )
-batch = 8 if launched_by_hand else 2 * (devices or 2)
-resume_from = "last" if mode == "elastic" else os.environ.get("RESUME_FROM") if mode == "resume" else None
+batch = 24 if mode in ("elastic_node", "full12_24") else 8 if launched_by_hand else 2 * (devices or 2)
+resume_from = "last" if mode in ("elastic", "elastic_node") else os.environ.get("RESUME_FROM") if mode == "resume" else None
 try:
     trainer.fit(tiny_gpt(lr=3e-3), tiny_data(global_batch_size=batch), ckpt_path=resume_from)
 except TrainingInterrupted as interrupted:  # what a script does to exit as a scheduler expects
