@@ -59,7 +59,7 @@ def test_a_checkpointed_cursor_resumes_at_another_dp_reading_only_the_unseen_sam
     n, global_batch, done = 64, 8, 3  # stop after 3 global batches at dp4, resume at dp2 (and dp8)
     saved = ResumableDataLoader(Counted(n), batch_size=2, sampler=GlobalCursorSampler(n, 4, 1), progress=lambda: done)
     state = saved.state_dict()
-    assert state == {"batches_done": 3, "samples_per_batch": 8, "samples_consumed": 24}
+    assert state == {"batches_done": 3, "epoch": 0, "samples_per_batch": 8, "samples_consumed": 24}
     for replicas in (2, 8):
         b = global_batch // replicas
         whole = [list(ResumableDataLoader(Counted(n), batch_size=b, sampler=GlobalCursorSampler(n, replicas, r))) for r in range(replicas)]
@@ -194,3 +194,56 @@ def test_resumed_on_eight_ranks_at_dp8_or_dp2_tp2_pp2_too(layout):
     root = tempfile.mkdtemp(prefix="l3d-cursor-8-")
     first = run_on_ranks(first_world, 4, root, ("",), timeout=600)
     _check_resume(first, run_on_ranks(resumed_world, 8, root, ("",), timeout=900, **layout))
+
+
+# -- epochs: a checkpoint that ends an epoch, a resume in a later epoch, a ragged last batch, workers ----------
+class Ragged(Windows):
+    """18 windows: at dp2 and 4 per replica, an epoch is 3 loader batches, the last of one sample."""
+
+    def __len__(self) -> int:
+        return 18
+
+
+class SaveAt(L.Callback):
+    """A checkpoint after each of ``steps``, as ModelCheckpoint writes it mid-epoch."""
+
+    def __init__(self, root: Path, steps: tuple[int, ...]) -> None:
+        self.root, self.steps = root, steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step in self.steps:
+            trainer.save_checkpoint(self.root / f"step={trainer.global_step}.ckpt")
+
+
+def _fit_epochs(root: Path, ckpt_path: Any = None, workers: int = 0) -> list[Any]:
+    from lightning_3d import ThreeDParallelStrategy
+
+    L.seed_everything(0)
+    seen = Seen()
+    trainer = quiet_trainer(
+        max_epochs=2, limit_val_batches=0, callbacks=[seen] + ([] if ckpt_path else [SaveAt(root, (3, 4))]),
+        precision="32-true", strategy=ThreeDParallelStrategy(),
+    )
+    model = tiny_gpt()
+    model.hparams.decay_steps = 6
+    loader = DataLoader(Ragged(), batch_size=4, shuffle=True, drop_last=False, num_workers=workers)
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return seen.steps
+
+
+def epochs_world(root: str) -> dict[str, Any]:
+    full = Path(root) / "full"
+    checks = {"full": lambda: _fit_epochs(full)}
+    for step, workers in ((3, 0), (4, 0), (4, 1)):  # the end of epoch 0; inside epoch 1, without and with a worker
+        checks[f"from{step}w{workers}"] = lambda s=step, w=workers: _fit_epochs(full, full / f"step={s}.ckpt", w)
+    return run_checks(checks)
+
+
+def test_resumes_at_an_epochs_end_and_in_a_later_epoch_see_the_uninterrupted_runs_samples():
+    results = run_on_ranks(epochs_world, 2, tempfile.mkdtemp(prefix="l3d-cursor-epochs-"), timeout=600)
+    full = _per_step(results, "full")
+    assert len(full) == 6 and sorted(s for ids, _ in full[:3] for s in ids) == sorted(map(list, {tuple(w[:6].tolist()) for w in Ragged().windows[:18]}))
+    for step, workers in ((3, 0), (4, 0), (4, 1)):
+        resumed = _per_step(results, f"from{step}w{workers}")
+        assert [ids for ids, _ in resumed] == [ids for ids, _ in full[step:]], (step, workers)
+        np.testing.assert_allclose([loss for _, loss in resumed], [loss for _, loss in full[step:]], rtol=1e-5)

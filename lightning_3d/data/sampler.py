@@ -35,7 +35,7 @@ class GlobalCursorSampler(Sampler[int]):
         self.length, self.num_replicas, self.rank = int(length), int(num_replicas), int(rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.epoch = 0
-        self._start = 0  # the cursor the next iteration starts from (then 0: the next epoch starts at its beginning)
+        self._start: Optional[tuple[int, int]] = None  # (epoch, position): where that epoch's next iteration starts
 
     @classmethod
     def like(cls, sampler: DistributedSampler) -> "GlobalCursorSampler":
@@ -58,15 +58,17 @@ class GlobalCursorSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def start_at(self, position: int) -> None:
-        """Resume the next iteration at ``position`` of the epoch's order (the samples finished batches
-        consumed): a multiple of the replicas, inside the epoch."""
-        if position < 0 or position % self.num_replicas or position > self.total_size:
+    def start_at(self, position: int, epoch: int) -> None:
+        """Resume epoch ``epoch``'s next iteration at ``position`` of its order (the samples finished batches
+        consumed: a multiple of the replicas). A position at or past the epoch's end starts nothing: the
+        checkpoint ended that epoch, and the next one starts at its beginning."""
+        if position < 0 or position % self.num_replicas:
             raise ValueError(
-                f"data cursor {position}: it must be a multiple of the {self.num_replicas} replicas within the epoch's "
-                f"{self.total_size} samples; the checkpoint was written with another dataset or batch."
+                f"data cursor {position}: it must be a non-negative multiple of the {self.num_replicas} replicas; the "
+                f"checkpoint was written with another dataset or batch."
             )
-        self._start = int(position)
+        self.set_epoch(epoch)  # (a loader with workers draws its first indices before Lightning sets the epoch)
+        self._start = (int(epoch), int(position)) if position < self.total_size else None
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's sample order (every replica's positions), as torch's ``DistributedSampler`` has it."""
@@ -83,8 +85,10 @@ class GlobalCursorSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         def positions() -> Iterator[int]:
-            # read when the first index is drawn: after Lightning has set the epoch and restored the cursor
-            start, self._start = self._start, 0
+            # read when the first index is drawn; the cursor applies to the epoch it was saved in only
+            start = 0
+            if self._start is not None and self._start[0] == self.epoch:
+                start, self._start = self._start[1], None
             yield from self.order(self.epoch)[start + self.rank :: self.num_replicas]
 
         return positions()
@@ -116,7 +120,7 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         done = int(self.progress()) if self.progress is not None else 0
         per_batch = self.samples_per_batch()
-        state: dict[str, Any] = {"batches_done": done}
+        state: dict[str, Any] = {"batches_done": done, "epoch": int(getattr(self.sampler, "epoch", 0))}
         if per_batch is not None:
             state.update(samples_per_batch=per_batch, samples_consumed=done * per_batch)
         return state
@@ -133,7 +137,11 @@ class ResumableDataLoader(DataLoader):
                     f"epoch's progress in loader batches, so keep the global batch and gradient accumulation as they were "
                     f"(TextDataModule(global_batch_size=...) adapts the per-replica batch to any data-parallel size)."
                 )
-            self.sampler.start_at(int(state.get("samples_consumed", done * saved)))
+            epoch = int(state.get("epoch", self.sampler.epoch))
+            if done >= len(self):  # the checkpoint ended its epoch: the next one starts at its beginning
+                self.sampler.start_at(0, epoch + 1)
+            else:
+                self.sampler.start_at(int(state.get("samples_consumed", done * saved)), epoch)
         else:
             self._skip = done
 

@@ -89,9 +89,17 @@ def warn_if_sampler_pads(sampler: Any) -> None:
     epoch then differs from one process's. Say so once, with the numbers."""
     from torch.utils.data import DistributedSampler
 
-    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+    from lightning_3d.data.sampler import GlobalCursorSampler
+
+    if isinstance(sampler, GlobalCursorSampler):  # (the strategy's: torch's order with a data cursor)
+        n = sampler.length
+    elif isinstance(sampler, DistributedSampler):
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+    else:
         return
-    n, replicas = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
+    if sampler.drop_last:
+        return
+    replicas = sampler.num_replicas
     if n % replicas:
         rank_zero_warn(
             f"lightning_3d: the training set has {n} samples, which {replicas} data-parallel replicas do not "
