@@ -333,3 +333,24 @@ def test_a_model_whose_every_block_has_experts_is_not_held_to_its_dense_mlp_widt
 
     assert not refusals(1)
     assert any("ffn_dim=33 is not divisible by tensor_parallel=2" in m for m in refusals(2))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3"])
+def test_hugging_face_moe_families_are_counted_with_their_experts(family):
+    """The planner's shape of a transformers MoE model (its FLOPs, so the MFU it logs, and its memory) has
+    the model's own experts: the blocks that have them (DeepSeek-V3's first block is dense), their width and
+    top-k. Before, such a model was counted as dense, its experts as one MLP (Mixtral: half its FLOPs)."""
+    import transformers
+
+    from lightning_3d.models.adapters.registry import adapter_for
+    from tests.hf_families import hf_family_config
+
+    config = hf_family_config(family)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = adapter_for(model).model_shape(model, 16)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert shape.moe_layers * shape.moe_layer_expert_params == experts > 0
+    assert shape.moe_layers == config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
+    assert shape.top_k == config.num_experts_per_tok
+    routed_per_token = shape.moe_layers * shape.top_k * 3 * shape.hidden * shape.expert_ffn
+    assert shape.active_parameters == shape.num_parameters - experts + routed_per_token

@@ -34,6 +34,7 @@ class ModelShape:
     n_shared_experts: int = 0
     moe_every: int = 1
     expert_ffn: int = 0
+    moe_blocks: Optional[int] = None  # how many blocks are MoE where they are not every moe_every-th (DeepSeek's dense first k)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> "ModelShape":
@@ -100,7 +101,9 @@ class ModelShape:
     @property
     def moe_layers(self) -> int:
         """Blocks with experts in place of their MLP (blocks ``moe_every - 1``, ``2 moe_every - 1``, ...)."""
-        return self.n_layer // self.moe_every if self.n_experts else 0
+        if not self.n_experts:
+            return 0
+        return self.moe_blocks if self.moe_blocks is not None else self.n_layer // self.moe_every
 
     @property
     def moe_share(self) -> float:

@@ -142,7 +142,25 @@ def config_shape(model: nn.Module, seq_len: int) -> ModelShape:
         dropout=max(float(getattr(c, k, 0.0) or 0.0) for k in ("attention_dropout", "hidden_dropout", "resid_pdrop")) > 0,
         rms_norm=any("RMSNorm" in k for k in classes),
         attention_head_dim=head_dim if isinstance(head_dim := getattr(c, "head_dim", None), int) and head_dim != dims.hidden // dims.n_head else None,
+        **_moe_shape(model, dims),
     )
+
+
+def _moe_shape(model: nn.Module, dims: ModelDims) -> dict[str, Any]:
+    """A transformers MoE decoder's experts, for the FLOPs and memory counts: the blocks whose MLP has
+    ``experts`` (Mixtral, Qwen3-MoE, OLMoE; DeepSeek-V3's dense first blocks have none), ``top_k``
+    (``num_experts_per_tok``), the experts' width (``moe_intermediate_size``, else ``intermediate_size``)
+    and shared experts (DeepSeek's ``n_shared_experts`` of that width)."""
+    if not dims.n_experts:
+        return {}
+    c = model.config
+    blocks = sum(1 for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module))
+    width = _config_int(c, "moe_intermediate_size", "intermediate_size")
+    shared = _config_int(c, "n_shared_experts", default=0)
+    return {
+        "n_experts": dims.n_experts, "top_k": _config_int(c, "num_experts_per_tok"), "n_shared_experts": shared,
+        "expert_ffn": width, "moe_blocks": blocks,
+    }
 
 
 # -- the adapter base of Hugging Face families ---------------------------------------------------------------
