@@ -414,6 +414,41 @@ def ep2_vs_ep1(steps: int, repeats: int) -> dict[str, Any]:
 
 
 @case
+def resume_seek_time(steps: int, repeats: int) -> dict[str, Any]:
+    """Issue 35: the time from a training loader's restored state to its first batch, at steps 10 and
+    10,000 of a token file (10.3 M tokens, windows of 128, 8 per batch), for the data cursor (the
+    strategy's loader) and for the skip that reads every batch already done (the loader before it,
+    and what it falls back to under other strategies); median of ``repeats + 2``."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import numpy as np
+    from torch.utils.data import DistributedSampler
+
+    from lightning_3d.data.corpus import TokenWindows, read_token_file, write_token_file
+    from lightning_3d.data.sampler import GlobalCursorSampler, ResumableDataLoader
+
+    path = Path(tempfile.mkdtemp(prefix="l3d-seek-")) / "tokens.bin"
+    write_token_file(np.random.default_rng(0).integers(0, 50_000, 80_016 * 128 + 1), path, 50_000, "random")
+    windows = TokenWindows(read_token_file(path)[0], 128)
+
+    def first_batch(step: int, cursor: bool) -> float:
+        sampler = GlobalCursorSampler(len(windows)) if cursor else DistributedSampler(windows, 1, 0, seed=0)
+        loader = ResumableDataLoader(windows, batch_size=8, sampler=sampler, drop_last=True)
+        start = time.perf_counter()
+        loader.load_state_dict({"batches_done": step, "epoch": 0, "samples_per_batch": 8, "samples_consumed": 8 * step})
+        next(iter(loader))
+        return time.perf_counter() - start
+
+    out: dict[str, Any] = {"case": "resume_seek_time", "windows": len(windows)}
+    for name, cursor in (("cursor", True), ("skip", False)):
+        for step in (10, 10_000):
+            out[f"{name}_step{step}_s"] = round(statistics.median(first_batch(step, cursor) for _ in range(repeats + 2)), 4)
+    return out
+
+
+@case
 def plan_wall_time(steps: int, repeats: int) -> dict[str, Any]:
     """``lightning-3d plan recipe=llama3_70b`` end to end in a fresh process (issue 37: under 2 s on
     a quiet 2-core machine), the median of ``repeats + 2`` runs, with a fixed Python loop's time as
