@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -611,3 +612,37 @@ def test_plan_command_counts_an_moe_model(capsys: pytest.CaptureFixture[str]) ->
     assert main(["plan", "model=gpt_tiny", "+model.n_experts=4", "cluster=local_cpu", "--layout", "dp=8,tp=1,pp=1,ep=4"]) == 0
     out = capsys.readouterr().out
     assert "active" in out and "MoE blocks of 4 experts" in out and " ep " in out
+
+
+# -- lightning-3d profile (issue 37) -------------------------------------------------------------------------
+RECORDED_PROFILE = {  # this machine, 2026-12-02 (2 processes at once)
+    "gemm_tflops": {"256": 0.0717, "512": 0.0860, "1024": 0.0955}, "copy_gb_per_s": 34.74,
+    "all_reduce": {"4096": {"seconds": 4.3e-4, "bus_gb_per_s": 0.0095}, "16777216": {"seconds": 0.0103, "bus_gb_per_s": 1.62}},
+    "date": "2026-12-02", "host": "vm", "copy_mb": 256, "ram_gb": 24.7,
+}
+
+
+def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) -> None:
+    """The method on a recorded profile (no timing): the best GEMM is the device's rate (efficiency 1), the
+    largest all-reduce's bus bandwidth the link, the copy the memory bandwidth; the file composes as any cluster."""
+    from lightning_3d.apps.profile_cli import cluster_from, write_cluster
+
+    config, comments = cluster_from(RECORDED_PROFILE, "recorded", devices_per_node=2, ranks=2)
+    path = write_cluster(config, comments, tmp_path)
+    assert path == tmp_path / "cluster" / "recorded.yaml" and path.read_text().startswith("# Written by `lightning-3d profile`")
+    cluster = load_cluster(compose(f"hydra.searchpath=[file://{tmp_path}]", "cluster=recorded").cluster)
+    assert (cluster.device.peak_tflops, cluster.device.gemm_efficiency) == (0.0955, 1.0)
+    assert (cluster.intra_node_gb_per_s, cluster.device.memory_bandwidth_gb_per_s, cluster.world_size) == (1.62, 34.74, 2)
+    problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
+    assert Planner(problem).search()
+
+
+def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_3d.apps.cli import main
+
+    assert main(["profile", "--quick", "--name", "here", "--out", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    measured = report["measured"]
+    assert min(measured["gemm_tflops"].values()) > 0 and measured["copy_gb_per_s"] > 0
+    assert all(r["bus_gb_per_s"] > 0 for r in measured["all_reduce"].values())
+    assert load_cluster(compose(f"hydra.searchpath=[file://{tmp_path}]", "cluster=here").cluster).devices_per_node == 2

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-USAGE = """usage: lightning-3d [--version] {fit,validate,test,predict,plan,dry-run,prepare,consolidate,export} ...
+USAGE = """usage: lightning-3d [--version] {fit,validate,test,predict,plan,dry-run,profile,prepare,consolidate,export} ...
 
   fit, validate, test, predict   LightningCLI over GPTModule + TextDataModule, or your own
                                  --model path.to.MyModule / --data path.to.MyData
@@ -32,6 +32,8 @@ USAGE = """usage: lightning-3d [--version] {fit,validate,test,predict,plan,dry-r
   plan [OVERRIDES] [--layout ...]  rank 3D layouts for a model on a cluster (docs/planner.md)
   dry-run [OVERRIDES] [--layout ...]  set up and step a layout's representative ranks on the meta
                                  device, next to the plan; exit 1 if a rank does not fit (docs/dry_run.md)
+  profile [--name N] [--out DIR]  measure this machine's CPU processes (GEMM, copy, all-reduce) and
+                                 write DIR/cluster/N.yaml for plan and dry-run (docs/planner.md)
   prepare OUT INPUT [INPUT ...]  tokenize text files as bytes into OUT (.bin + .bin.json)
   consolidate CKPT_DIR OUT       a sharded checkpoint as one dense .pt/.ckpt/.safetensors file
   export CKPT_DIR OUT_DIR        a Hugging Face model directory (from_pretrained-loadable;
@@ -100,6 +102,12 @@ def export_main(argv: list[str]) -> int:
 
 def plan_main(argv: list[str]) -> int:
     from lightning_3d.apps.plan_cli import plan_main as run
+
+    return run(argv)
+
+
+def profile_main(argv: list[str]) -> int:
+    from lightning_3d.apps.profile_cli import profile_main as run
 
     return run(argv)
 
@@ -280,7 +288,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
     if argv[0] in ("-V", "--version"):
         print(f"lightning-3d {version()}")
         return 0
-    commands = {"plan": plan_main, "dry-run": dry_run_main, "prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
+    commands = {"plan": plan_main, "dry-run": dry_run_main, "profile": profile_main, "prepare": prepare_main, "consolidate": consolidate_main, "export": export_main}
     if argv[0] in commands:
         return _run(argv[0], lambda: commands[argv[0]](argv[1:]))
     if argv[0] in LIGHTNING_SUBCOMMANDS:

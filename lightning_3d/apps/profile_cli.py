@@ -1,0 +1,151 @@
+"""``lightning-3d profile``: measure this machine and write a cluster config that ``plan`` and
+``dry-run`` take like any other (issue 37).
+
+On CPU it runs ``--ranks`` processes over gloo, one thread each, as training runs them. All ranks
+measure at once, so each figure includes its neighbours' contention:
+
+* the GEMM rate (square fp32 matmuls, the best of the sizes): ``device.peak_tflops``, with
+  ``gemm_efficiency: 1.0`` because the figure is already what GEMMs reach;
+* the copy bandwidth of a large tensor (read + write): ``device.memory_bandwidth_gb_per_s``;
+* the all-reduce bus bandwidth at the largest size (``2 (n - 1) / n x bytes / seconds``):
+  ``intra_node_gb_per_s``;
+* the all-reduce latency at the smallest size.
+
+The planner's collective model takes its latencies from NCCL's tables, so the measured latency is
+written to the file as a comment, not used. The measured figures and their sizes are printed as
+JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+MB = 2**20
+
+
+def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], repeats: int) -> dict[str, Any]:
+    """One rank's measurements (inside a process group: every rank runs this at once)."""
+    import torch
+    import torch.distributed as dist
+
+    def best(fn: Any) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    gemm = {}
+    for n in gemm_sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        gemm[n] = 2.0 * n**3 / best(lambda: a @ b) / 1e12
+    x = torch.empty(copy_mb * MB // 4)
+    y = torch.empty_like(x)
+    copy = 2.0 * x.numel() * 4 / best(lambda: y.copy_(x)) / 1e9
+    world = dist.get_world_size()
+    reduce = {}
+    for nbytes in reduce_sizes:
+        t = torch.zeros(max(1, nbytes // 4))
+        seconds = best(lambda: dist.all_reduce(t))
+        reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
+    return {"gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce}
+
+
+def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ranks: int) -> tuple[dict[str, Any], list[str]]:
+    """The cluster config (a dict in ``conf/cluster``'s schema) for recorded measurements of ``ranks``
+    CPU processes, and the comment lines that say where each figure comes from."""
+    gemm = max(measured["gemm_tflops"].values())
+    reduce = measured["all_reduce"]
+    largest, smallest = max(reduce, key=int), min(reduce, key=int)
+    ram_gb = measured.get("ram_gb", 0.0)
+    config = {
+        "name": name,
+        "accelerator": "cpu",
+        "devices_per_node": devices_per_node,
+        "num_nodes": 1,
+        "launcher": "local",
+        "intra_node_gb_per_s": round(reduce[largest]["bus_gb_per_s"], 4),
+        "inter_node_gb_per_s": 0,
+        "cpu_ram_gb": round(ram_gb, 1),
+        "nvme_gb": 0,
+        "device": {
+            "model": "cpu-process (measured)",
+            "memory_gb": round(ram_gb / devices_per_node, 2),
+            "peak_tflops": round(gemm, 5),
+            "memory_bandwidth_gb_per_s": round(measured["copy_gb_per_s"], 3),
+            "gemm_efficiency": 1.0,
+            "reserved_gb": 0.0,
+        },
+    }
+    comments = [
+        f"Written by `lightning-3d profile` on {measured.get('date', '?')} ({measured.get('host', '?')}): {ranks} CPU processes over",
+        "gloo, one thread each, measuring at once (docs/planner.md, \"Profiling a machine\").",
+        f"device.peak_tflops: the best square fp32 GEMM of sizes {sorted(int(n) for n in measured['gemm_tflops'])} per process;",
+        "gemm_efficiency 1.0, since the figure is what GEMMs reach.",
+        f"device.memory_bandwidth_gb_per_s: a {measured.get('copy_mb', '?')} MB copy (read + write) per process.",
+        f"intra_node_gb_per_s: all-reduce bus bandwidth of {int(largest) // MB} MB over {ranks} processes.",
+        f"all-reduce latency ({int(smallest)} bytes): {reduce[smallest]['seconds'] * 1e6:.0f} us (the planner uses NCCL's tables: not used).",
+    ]
+    return config, comments
+
+
+def write_cluster(config: dict[str, Any], comments: list[str], directory: Path) -> Path:
+    """``directory/cluster/<name>.yaml``: plan and dry-run read it with ``hydra.searchpath=[file://<directory>]``."""
+    from omegaconf import OmegaConf
+
+    path = directory / "cluster" / f"{config['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = OmegaConf.to_yaml(OmegaConf.create(config))
+    path.write_text("".join(f"# {line}\n" for line in comments) + body)
+    return path
+
+
+def _ram_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return 0.0
+
+
+def profile_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-3d profile",
+        description="Measure this machine's CPU processes and write a cluster config for plan and dry-run (docs/planner.md).",
+    )
+    parser.add_argument("--name", default="profiled", help="the cluster's name (cluster=NAME)")
+    parser.add_argument("--out", default="conf", help="a config directory: writes OUT/cluster/NAME.yaml (default ./conf)")
+    parser.add_argument("--ranks", type=int, default=2, help="processes measured at once (default 2)")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="the cluster's processes per node (default --ranks)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test (seconds, rough figures)")
+    args = parser.parse_args(argv)
+    if args.ranks < 2:
+        parser.error(f"--ranks={args.ranks}: the collectives need at least 2 processes.")
+    from lightning_3d.testing.harness import run_on_ranks
+
+    quick = args.quick
+    sizes = ([64, 128], 8, [4096, MB], 2) if quick else ([256, 512, 1024], 256, [4096, 64 * 1024, MB, 16 * MB], 5)
+    start = time.perf_counter()
+    measured = run_on_ranks(measure_rank, args.ranks, *sizes, timeout=600, strict=False)[0]
+    measured.update(
+        date=str(date.today()), host=platform.node() or "?", copy_mb=sizes[1], ram_gb=_ram_gb(), ranks=args.ranks,
+        seconds=round(time.perf_counter() - start, 1),
+    )
+    config, comments = cluster_from(measured, args.name, args.devices_per_node or args.ranks, args.ranks)
+    path = write_cluster(config, comments, Path(args.out).resolve())
+    print(json.dumps({"cluster": str(path), "measured": measured}, default=str))
+    print(f"plan with it: lightning-3d plan hydra.searchpath=[file://{path.parent.parent}] cluster={args.name} model=...",
+          file=sys.stderr)
+    return 0
