@@ -632,9 +632,12 @@ def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) ->
     assert path == tmp_path / "cluster" / "recorded.yaml" and path.read_text().startswith("# Written by `lightning-3d profile`")
     cluster = load_cluster(compose(f"hydra.searchpath=[file://{tmp_path}]", "cluster=recorded").cluster)
     assert (cluster.device.peak_tflops, cluster.device.gemm_efficiency) == (0.0955, 1.0)
-    assert (cluster.intra_node_gb_per_s, cluster.device.memory_bandwidth_gb_per_s, cluster.world_size) == (1.62, 34.74, 2)
+    # bandwidths written / the planner's efficiency factors, which it applies again: it charges what was measured
+    assert (cluster.intra_node_gb_per_s, cluster.device.memory_bandwidth_gb_per_s, cluster.world_size) == (2.025, 43.42, 2)
     problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
     assert Planner(problem).search()
+    with pytest.raises(ValueError):  # a figure that makes no valid cluster: no file
+        cluster_from({**RECORDED_PROFILE, "ram_gb": 0.0}, "empty", devices_per_node=2, ranks=2)
 
 
 def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -646,3 +649,6 @@ def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsy
     assert min(measured["gemm_tflops"].values()) > 0 and measured["copy_gb_per_s"] > 0
     assert all(r["bus_gb_per_s"] > 0 for r in measured["all_reduce"].values())
     assert load_cluster(compose(f"hydra.searchpath=[file://{tmp_path}]", "cluster=here").cluster).devices_per_node == 2
+    with pytest.raises(SystemExit):  # Hydra would compose the shipped cluster of that name instead
+        main(["profile", "--quick", "--name", "local_cpu", "--out", str(tmp_path)])
+    assert "a shipped cluster has that name" in capsys.readouterr().err

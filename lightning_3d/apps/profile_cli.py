@@ -2,13 +2,14 @@
 ``dry-run`` take like any other (issue 37).
 
 On CPU it runs ``--ranks`` processes over gloo, one thread each, as training runs them. All ranks
-measure at once, so each figure includes its neighbours' contention:
+measure at once, so each figure includes its neighbours' contention, and the slowest rank's is kept:
 
 * the GEMM rate (square fp32 matmuls, the best of the sizes): ``device.peak_tflops``, with
   ``gemm_efficiency: 1.0`` because the figure is already what GEMMs reach;
-* the copy bandwidth of a large tensor (read + write): ``device.memory_bandwidth_gb_per_s``;
+* the copy bandwidth of a large tensor (read + write): ``device.memory_bandwidth_gb_per_s``
+  (divided by the planner's HBM efficiency, which it applies again);
 * the all-reduce bus bandwidth at the largest size (``2 (n - 1) / n x bytes / seconds``):
-  ``intra_node_gb_per_s``;
+  ``intra_node_gb_per_s`` (divided by the planner's link efficiency);
 * the all-reduce latency at the smallest size.
 
 The planner's collective model takes its latencies from NCCL's tables, so the measured latency is
@@ -61,9 +62,33 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
     return {"gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce}
 
 
+def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' measurements as the slowest rank sees them (it sets a step's pace): the lowest GEMM
+    and copy rates, the longest all-reduce of each size."""
+    first = per_rank[0]
+    reduce = {}
+    for size in first["all_reduce"]:
+        worst = max((r["all_reduce"][size] for r in per_rank), key=lambda entry: entry["seconds"])
+        reduce[size] = dict(worst)
+    return {
+        "gemm_tflops": {n: min(r["gemm_tflops"][n] for r in per_rank) for n in first["gemm_tflops"]},
+        "copy_gb_per_s": min(r["copy_gb_per_s"] for r in per_rank),
+        "all_reduce": reduce,
+    }
+
+
 def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ranks: int) -> tuple[dict[str, Any], list[str]]:
     """The cluster config (a dict in ``conf/cluster``'s schema) for recorded measurements of ``ranks``
-    CPU processes, and the comment lines that say where each figure comes from."""
+    CPU processes, and the comment lines that say where each figure comes from. The planner derates
+    link and memory bandwidths by its efficiency constants, so the measured ones (already achieved)
+    are written divided by them: the model then charges what was measured. Raises ``ValueError``
+    when a figure cannot make a valid cluster (the schema's own check)."""
+    from lightning_3d.planner.collective_cost import LINK_EFFICIENCY
+    from lightning_3d.planner.hardware import load_cluster
+    from lightning_3d.planner.timing import HBM_EFFICIENCY
+
+    if devices_per_node < 1:
+        raise ValueError(f"--devices-per-node={devices_per_node} must be at least 1.")
     gemm = max(measured["gemm_tflops"].values())
     reduce = measured["all_reduce"]
     largest, smallest = max(reduce, key=int), min(reduce, key=int)
@@ -74,26 +99,28 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "devices_per_node": devices_per_node,
         "num_nodes": 1,
         "launcher": "local",
-        "intra_node_gb_per_s": round(reduce[largest]["bus_gb_per_s"], 4),
+        "intra_node_gb_per_s": float(f"{reduce[largest]['bus_gb_per_s'] / LINK_EFFICIENCY:.4g}"),
         "inter_node_gb_per_s": 0,
         "cpu_ram_gb": round(ram_gb, 1),
         "nvme_gb": 0,
         "device": {
             "model": "cpu-process (measured)",
-            "memory_gb": round(ram_gb / devices_per_node, 2),
-            "peak_tflops": round(gemm, 5),
-            "memory_bandwidth_gb_per_s": round(measured["copy_gb_per_s"], 3),
+            "memory_gb": float(f"{ram_gb / devices_per_node:.4g}"),
+            "peak_tflops": float(f"{gemm:.4g}"),
+            "memory_bandwidth_gb_per_s": float(f"{measured['copy_gb_per_s'] / HBM_EFFICIENCY:.4g}"),
             "gemm_efficiency": 1.0,
             "reserved_gb": 0.0,
         },
     }
+    load_cluster(config).validate()  # a figure that makes no valid cluster fails here, before any file is written
     comments = [
         f"Written by `lightning-3d profile` on {measured.get('date', '?')} ({measured.get('host', '?')}): {ranks} CPU processes over",
         "gloo, one thread each, measuring at once (docs/planner.md, \"Profiling a machine\").",
         f"device.peak_tflops: the best square fp32 GEMM of sizes {sorted(int(n) for n in measured['gemm_tflops'])} per process;",
         "gemm_efficiency 1.0, since the figure is what GEMMs reach.",
-        f"device.memory_bandwidth_gb_per_s: a {measured.get('copy_mb', '?')} MB copy (read + write) per process.",
-        f"intra_node_gb_per_s: all-reduce bus bandwidth of {int(largest) // MB} MB over {ranks} processes.",
+        f"device.memory_bandwidth_gb_per_s: a {measured.get('copy_mb', '?')} MB copy (read + write) per process, / {HBM_EFFICIENCY}.",
+        f"intra_node_gb_per_s: all-reduce bus bandwidth of {int(largest) // MB} MB over {ranks} processes, / {LINK_EFFICIENCY}.",
+        "(the planner derates bandwidths by those factors: it then charges the measured ones); the slowest rank's figures.",
         f"all-reduce latency ({int(smallest)} bytes): {reduce[smallest]['seconds'] * 1e6:.0f} us (the planner uses NCCL's tables: not used).",
     ]
     return config, comments
@@ -114,7 +141,7 @@ def _ram_gb() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1e6
+                return int(line.split()[1]) * 1024 / 1e9  # (kB there means KiB)
     except OSError:
         pass
     return 0.0
@@ -126,24 +153,29 @@ def profile_main(argv: list[str]) -> int:
         description="Measure this machine's CPU processes and write a cluster config for plan and dry-run (docs/planner.md).",
     )
     parser.add_argument("--name", default="profiled", help="the cluster's name (cluster=NAME)")
-    parser.add_argument("--out", default="conf", help="a config directory: writes OUT/cluster/NAME.yaml (default ./conf)")
+    parser.add_argument("--out", default="l3d_profile", help="a config directory: writes OUT/cluster/NAME.yaml (default ./l3d_profile)")
     parser.add_argument("--ranks", type=int, default=2, help="processes measured at once (default 2)")
     parser.add_argument("--devices-per-node", type=int, default=None, help="the cluster's processes per node (default --ranks)")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test (seconds, rough figures)")
     args = parser.parse_args(argv)
     if args.ranks < 2:
         parser.error(f"--ranks={args.ranks}: the collectives need at least 2 processes.")
+    from lightning_3d.core.compose import CONF_DIR
+
+    if (CONF_DIR / "cluster" / f"{args.name}.yaml").is_file():  # Hydra would pick the shipped one over it
+        parser.error(f"--name={args.name}: a shipped cluster has that name (conf/cluster/{args.name}.yaml); choose another.")
     from lightning_3d.testing.harness import run_on_ranks
 
     quick = args.quick
     sizes = ([64, 128], 8, [4096, MB], 2) if quick else ([256, 512, 1024], 256, [4096, 64 * 1024, MB, 16 * MB], 5)
     start = time.perf_counter()
-    measured = run_on_ranks(measure_rank, args.ranks, *sizes, timeout=600, strict=False)[0]
+    measured = slowest(run_on_ranks(measure_rank, args.ranks, *sizes, timeout=600, strict=False))
     measured.update(
         date=str(date.today()), host=platform.node() or "?", copy_mb=sizes[1], ram_gb=_ram_gb(), ranks=args.ranks,
         seconds=round(time.perf_counter() - start, 1),
     )
-    config, comments = cluster_from(measured, args.name, args.devices_per_node or args.ranks, args.ranks)
+    devices = args.ranks if args.devices_per_node is None else args.devices_per_node
+    config, comments = cluster_from(measured, args.name, devices, args.ranks)
     path = write_cluster(config, comments, Path(args.out).resolve())
     print(json.dumps({"cluster": str(path), "measured": measured}, default=str))
     print(f"plan with it: lightning-3d plan hydra.searchpath=[file://{path.parent.parent}] cluster={args.name} model=...",

@@ -154,12 +154,14 @@ def _moe_shape(model: nn.Module, dims: ModelDims) -> dict[str, Any]:
     if not dims.n_experts:
         return {}
     c = model.config
+    top_k = _config_int(c, "num_experts_per_tok", default=0)
+    if not top_k:  # a family that names it otherwise: counted dense, as before (the MFU is then low, never a crash)
+        return {}
     blocks = sum(1 for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module))
-    width = _config_int(c, "moe_intermediate_size", "intermediate_size")
-    shared = _config_int(c, "n_shared_experts", default=0)
     return {
-        "n_experts": dims.n_experts, "top_k": _config_int(c, "num_experts_per_tok"), "n_shared_experts": shared,
-        "expert_ffn": width, "moe_blocks": blocks,
+        "n_experts": dims.n_experts, "top_k": top_k, "n_shared_experts": _config_int(c, "n_shared_experts", default=0),
+        "expert_ffn": _config_int(c, "moe_intermediate_size", "intermediate_size"),
+        "moe_blocks": blocks or None,  # (no module named experts: every block, from the config)
     }
 
 
