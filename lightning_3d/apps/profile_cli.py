@@ -46,17 +46,18 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
             times.append(time.perf_counter() - start)
         return min(times)
 
+    cpu = torch.device("cpu")  # (this profile measures CPU processes over gloo; a GPU profile is not built)
     gemm = {}
     for n in gemm_sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n, device=cpu), torch.randn(n, n, device=cpu)
         gemm[n] = 2.0 * n**3 / best(lambda: a @ b) / 1e12
-    x = torch.empty(copy_mb * MB // 4)
+    x = torch.empty(copy_mb * MB // 4, device=cpu)
     y = torch.empty_like(x)
     copy = 2.0 * x.numel() * 4 / best(lambda: y.copy_(x)) / 1e9
     world = dist.get_world_size()
     reduce = {}
     for nbytes in reduce_sizes:
-        t = torch.zeros(max(1, nbytes // 4))
+        t = torch.zeros(max(1, nbytes // 4), device=cpu)
         seconds = best(lambda: dist.all_reduce(t))
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
     return {"gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce}

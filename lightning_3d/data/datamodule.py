@@ -9,7 +9,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from lightning_3d.data.corpus import DEFAULT_MAX_BYTES, TokenWindows, read_token_file, split_tokens, stdlib_bytes
-from lightning_3d.data.sampler import ResumableDataLoader
+from lightning_3d.data.sampler import ResumableDataLoader, batches_done_this_epoch
 from lightning_3d.data.vocab import check_data_vocab, model_vocab_size
 from lightning_3d.monitoring.callbacks import data_parallel_size
 
@@ -119,10 +119,6 @@ class TextDataModule(L.LightningDataModule):
             )
         return self.global_batch_size // replicas
 
-    def _batches_done_this_epoch(self) -> int:
-        assert self.trainer is not None
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
     def _loader(self, dataset: Optional[TokenWindows], train: bool) -> DataLoader:
         assert dataset is not None, "setup() has not run"
         self._check_vocab()  # after configure_model(): the model's embedding now exists
@@ -130,7 +126,7 @@ class TextDataModule(L.LightningDataModule):
             batch_size=self.per_replica_batch_size(), shuffle=train, drop_last=train, num_workers=self.num_workers
         )
         if train:
-            return ResumableDataLoader(dataset, progress=self._batches_done_this_epoch, **kwargs)
+            return ResumableDataLoader(dataset, progress=lambda: batches_done_this_epoch(self.trainer), **kwargs)
         return DataLoader(dataset, **kwargs)
 
     def train_dataloader(self) -> DataLoader:

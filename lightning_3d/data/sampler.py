@@ -160,6 +160,11 @@ class ResumableDataLoader(DataLoader):
         return resumed()
 
 
+def batches_done_this_epoch(trainer: Any) -> int:
+    """The batches the training loop finished in this epoch (what a loader's state counts)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
 def with_global_cursor(loader: Any, progress: Callable[[], int]) -> Any:
     """``loader`` with a :class:`GlobalCursorSampler` in place of the ``DistributedSampler`` Lightning gave
     it, as a :class:`ResumableDataLoader` whose state is the cursor; any other loader unchanged (a custom

@@ -312,6 +312,14 @@ class Problem:
             raise ValueError(f"global_batch={self.global_batch} must be positive.")
 
 
+def expert_all_to_alls(recompute: str) -> tuple[int, int]:
+    """(row exchanges, count exchanges) of one MoE block per micro-batch under expert parallelism:
+    dispatch and combine in each forward and again in backward, the forward run twice under full
+    recompute; the per-expert counts once per forward (as the dry run counts them)."""
+    forwards = 2 if recompute == "full" else 1
+    return 2 * (forwards + 1), forwards
+
+
 def head_stage(schedule: str, pp: int) -> int:
     """The pipeline rank holding the head (and the loss): the last, or rank 0 under a V."""
     return 0 if schedule in V_SHAPED else pp - 1
@@ -411,31 +419,31 @@ class Planner:
         return cost
 
     def expert_exchange(self, mb: int, tp: int, cp: int, ep: int) -> dict[str, float]:
-        """One MoE block's all-to-all on one rank for one micro-batch and pass: the routed rows it sends
+        """One MoE block's all-to-alls on one rank for one micro-batch and pass: the routed rows it sends
         (``top_k`` per token, its ``1 / tp`` share of them, the busiest rank's under imbalance) over the
-        expert group, ``ep`` ranks ``tp`` apart (adjacent replicas); the seconds of that exchange and of
-        the per-expert count exchange before it."""
+        expert group, ``ep`` ranks ``tp`` apart (adjacent replicas), and the per-expert counts before them
+        (int64, of its tp rank's ``E / tp`` experts); bytes and seconds of each."""
         model, cluster = self.problem.model, self.problem.cluster
         if ep <= 1:
-            return {"row_bytes": 0.0, "rows_s": 0.0, "counts_s": 0.0}
+            return {"row_bytes": 0.0, "rows_s": 0.0, "count_bytes": 0.0, "counts_s": 0.0}
         tokens = mb * model.seq_len / cp
         row_bytes = tokens * model.top_k / tp * self.problem.expert_imbalance * model.hidden * self.c
+        count_bytes = 8.0 * model.n_experts / tp
         nodes = _nodes_spanned(tp, ep, cluster.devices_per_node)
         net = self._per_device_network() if nodes > 1 else cluster.intra_node_gb_per_s
 
         def a2a(nbytes: float) -> float:
             return all_to_all_seconds(nbytes, ep, nodes, cluster.intra_node_gb_per_s, net, self.nccl)
 
-        return {"row_bytes": row_bytes, "rows_s": a2a(row_bytes), "counts_s": a2a(8.0 * model.n_experts / tp)}  # (its tp rank's experts)
+        return {"row_bytes": row_bytes, "rows_s": a2a(row_bytes), "count_bytes": count_bytes, "counts_s": a2a(count_bytes)}
 
     def _with_experts(self, cost: MicroBatchCost, mb: int, tp: int, recompute: str, cp: int, ep: int) -> MicroBatchCost:
-        """Expert parallelism's exchanges (dispatch and combine in each forward, both again in backward
-        and in a full recompute; the counts once per forward), not overlapped: the split sizes are read
-        on the host. Under imbalance, the busiest rank's extra expert GEMMs, which the group waits for."""
+        """Expert parallelism's exchanges (:func:`expert_all_to_alls`), not overlapped: the split sizes are
+        read on the host. Under imbalance, the busiest rank's extra expert GEMMs, which the group waits for."""
         model = self.problem.model
-        forwards = 2 if recompute == "full" else 1
+        rows, counts = expert_all_to_alls(recompute)
         exchange = self.expert_exchange(mb, tp, cp, ep)
-        ep_comm = model.moe_share * (2 * (forwards + 1) * exchange["rows_s"] + forwards * exchange["counts_s"])
+        ep_comm = model.moe_share * (rows * exchange["rows_s"] + counts * exchange["counts_s"])
         extra = self.problem.expert_imbalance - 1.0
         if extra <= 0 or ep * tp <= 1:
             return replace(cost, ep_comm=ep_comm)
@@ -489,7 +497,7 @@ class Planner:
         elif pp > 1:
             stages.append((pp - 1, last_stage_in_flight(layout.schedule, pp, m)))  # 1F1B: 1, each micro-batch finishes at once
         best_memory: Optional[dict[str, float]] = None
-        psi_max = optimizer_shard = 0.0  # (dense parameters only: the experts' collectives run over their own replicas)
+        psi_max = optimizer_shard = 0.0  # (psi_max: what the replicas reduce; at ep > 1 the experts reduce over their own)
         for index, flight in stages:
             _, memory = self.stage_memory(layout, layers, index, flight)
             if best_memory is None or memory["total"] > best_memory["total"]:
@@ -572,11 +580,10 @@ class Planner:
             }
         if layout.ep > 1:
             exchange = self.expert_exchange(mb, t, cp, layout.ep)
-            forwards = 2 if layout.recompute == "full" else 1
             comm["ep"] = {
                 "ranks": layout.ep, "stride": t, "nodes": _nodes_spanned(t, layout.ep, cluster.devices_per_node),
                 "moe_layers_on_stage": round(max(layers) * model.moe_share, 2),
-                "all_to_alls_per_layer_and_micro_batch": 2 * (forwards + 1) + forwards,
+                "all_to_alls_per_layer_and_micro_batch": sum(expert_all_to_alls(layout.recompute)),
                 "row_bytes_each": round(exchange["row_bytes"]), "rows_s_each": round(exchange["rows_s"], 6),
                 "exposed_s": round(m * max(layers) * cost.ep_comm, 4),
             }

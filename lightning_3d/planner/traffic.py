@@ -67,7 +67,7 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
     local = model.seq_len / cp
     act = mb * local * model.hidden * c
     full = layout.recompute == "full"
-    from lightning_3d.planner.search import V_SHAPED, head_stage
+    from lightning_3d.planner.search import V_SHAPED, expert_all_to_alls, head_stage
 
     first, last = index == 0, index == head_stage(layout.schedule, pp)  # (a V: the head beside the embedding)
     out: dict[str, float] = {}
@@ -118,9 +118,9 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
     # -- expert parallel: each MoE block's row exchanges (dispatch and combine per forward and backward,
     # again in a full recompute) and the per-expert counts before each forward's -------------------------
     if layout.ep > 1:
-        forwards = 2 if full else 1
-        rows = planner.expert_exchange(mb, t, cp, layout.ep)["row_bytes"]
-        per_layer = 2 * (forwards + 1) * ring("all_to_all", rows, layout.ep) + forwards * ring("all_to_all", 8.0 * model.n_experts, layout.ep)
+        rows, counts = expert_all_to_alls(layout.recompute)
+        exchange = planner.expert_exchange(mb, t, cp, layout.ep)
+        per_layer = rows * ring("all_to_all", exchange["row_bytes"], layout.ep) + counts * ring("all_to_all", exchange["count_bytes"], layout.ep)
         out["ep"] = m * layers[index] * model.moe_share * per_layer
 
     # -- data parallel: the dense weights over their replicas (dp x cp), the experts over theirs (edp) -------

@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lightning_3d.core import rank_zero
-from lightning_3d.data.sampler import with_global_cursor
+from lightning_3d.data.sampler import batches_done_this_epoch, with_global_cursor
 from lightning_3d.plugins.checks import check_before_first_step
 from lightning_3d.plugins.precision import ThreeDPrecision
 from lightning_3d.resilience.fault import mark_failed
@@ -46,7 +46,7 @@ class FitHooks:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None:
             return dataloader
-        return with_global_cursor(dataloader, lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        return with_global_cursor(dataloader, lambda: batches_done_this_epoch(trainer))
 
     def _install_fit_callbacks(self, trainer: Trainer) -> None:
         """The callbacks the strategy brings while fitting: the SIGTERM handling (a checkpoint at the
