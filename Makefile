@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-slow test-matrix bench clean
+.PHONY: setup train test test-slow test-matrix bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -34,5 +34,21 @@ test-matrix: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py $(ARGS)
 
+# The stacks users would pick instead (DeepSpeed, torchtitan), in their own environment: .venv is never
+# touched. `make bench` runs the peer cases when it exists and reports them as not run otherwise.
+PEERS       ?= .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+PEER_PKGS   ?= deepspeed==0.19.8 torchtitan==0.3.0 ninja triton
+
+bench-peers: $(PEERS_STAMP)
+	$(PY) benchmarks/run.py --cases deepspeed_zero_stages torchtitan_llama $(ARGS)
+
+$(PEERS_STAMP): pyproject.toml $(STAMP)
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS)/bin/python -c "import torch" 2>/dev/null || $(PEERS)/bin/python -m pip install --quiet "$(TORCH)"
+	$(PEERS)/bin/python -m pip install --quiet $(PEER_PKGS) -e .
+	touch $(PEERS_STAMP)
+
 clean:
-	rm -rf $(VENV) outputs bench_results .pytest_cache
+	rm -rf $(VENV) $(PEERS) outputs bench_results .pytest_cache

@@ -7,7 +7,7 @@ the same run, alternating the two to spread machine noise evenly, and quote rati
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -63,8 +63,9 @@ def _strategy(spec: str) -> tuple[Any, type[GPTModule]]:
             "nvme": "nvme_path",
             "ac": "activation_checkpointing",
             "guard": "replica_check_every",
+            "sp": "sequence_parallel",
         }
-        kwargs = {k: (None if v == "off" else v) for k, v in kwargs.items()}
+        kwargs = {k: {"off": None, "true": True}.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
         return ThreeDParallelStrategy(**{names[k]: v for k, v in kwargs.items()}), GPTModule
     if name == "model_parallel":
         from baselines import DTensorGPTModule
@@ -107,23 +108,38 @@ def bench_trainer(strategy: Any, max_steps: int, callbacks: list[L.Callback]) ->
     )
 
 
-def fit_throughput(strategy_spec: str, steps: int, global_batch: int, warmup: int = 5) -> dict[str, float]:
-    """Runs on every rank: tokens/s (all replicas), step time and peak memory of ``steps`` GPT steps."""
+class StepLosses(L.Callback):
+    """This rank's training loss of every step (its own micro-batches' mean), for agreement checks."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit_throughput(
+    strategy_spec: str, steps: int, global_batch: int, warmup: int = 5, model_dims: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
+    """Runs on every rank: tokens/s (all replicas), step time, peak memory and losses of ``steps`` GPT
+    steps (``model_dims``: GPTConfig fields, default ``BENCH_GPT``)."""
     import lightning_3d  # noqa: F401  (registers "3d")
 
+    dims = model_dims or BENCH_GPT
     L.seed_everything(0)
-    throughput, state = TokenThroughput(warmup=warmup), StateMemory()
+    throughput, state, losses = TokenThroughput(warmup=warmup), StateMemory(), StepLosses()
     strategy, module_class = _strategy(strategy_spec)
-    trainer = bench_trainer(strategy, steps + warmup, [throughput, state])
-    model = module_class(GPTConfig(**BENCH_GPT), warmup_steps=2)
+    trainer = bench_trainer(strategy, steps + warmup, [throughput, state, losses])
+    model = module_class(GPTConfig(**dims), warmup_steps=2)
     model.configure_callbacks = lambda: []  # keep our instance
-    trainer.fit(model, TextDataModule(block_size=BENCH_GPT["block_size"], global_batch_size=global_batch, max_bytes=2**21))
-    tokens_per_step = global_batch * BENCH_GPT["block_size"]
+    trainer.fit(model, TextDataModule(block_size=dims["block_size"], global_batch_size=global_batch, max_bytes=2**21))
+    tokens_per_step = global_batch * dims["block_size"]
     return {
         "tokens_per_s": throughput.mean_tokens_per_s,
         "step_time_s": tokens_per_step / throughput.mean_tokens_per_s,
         "peak_memory_mb": throughput.peak_memory_mb,
         "model_state_mb": state.mb,
+        "losses": losses.losses,
     }
 
 
@@ -476,3 +492,37 @@ def plan_wall_time(steps: int, repeats: int) -> dict[str, Any]:
         "runs_s": [round(w, 3) for w in walls],
         "calibration_loop_s": round(statistics.median(loops), 3),
     }
+
+
+@case
+def deepspeed_zero_stages(steps: int, repeats: int) -> dict[str, Any]:
+    """Ours vs DeepSpeed 0.19.8 (its CPU accelerator, gloo) at ZeRO 1, 2, 3 and ZeRO-2 + CPU offload, dp=2:
+    same GPT, data, batch, fp32 AdamW and schedule (issue 36; needs `make bench-peers`)."""
+    from peer_cases import compare
+
+    pairs = {
+        "zero1": ("3d:dp=2,zero=1", 2, "deepspeed_run.py", ["--stage", "1"]),
+        "zero2": ("3d:dp=2,zero=2", 2, "deepspeed_run.py", ["--stage", "2"]),
+        "zero3": ("3d:dp=2,zero=3", 2, "deepspeed_run.py", ["--stage", "3"]),
+        "zero2_offload": ("3d:dp=2,zero=2,offload=cpu", 2, "deepspeed_run.py", ["--stage", "2", "--offload"]),
+    }
+    return compare("deepspeed_zero_stages", pairs, steps, repeats, global_batch=16, dims=BENCH_GPT)
+
+
+# The bench GPT in Llama's form (torchtitan trains only Llama-family decoders): SwiGLU, RMSNorm, RoPE,
+# no biases, untied embeddings.
+LLAMA_BENCH_GPT = dict(BENCH_GPT, mlp="swiglu", norm="rmsnorm", position="rope", bias=False, tie_embeddings=False)
+
+
+@case
+def torchtitan_llama(steps: int, repeats: int) -> dict[str, Any]:
+    """Ours vs torchtitan 0.3.0 (its Llama 3 model and ``parallelize_llama``, on CPU over gloo) on the
+    same Llama-style GPT weights, data, batch and fp32 AdamW: FSDP at dp=2 against our ZeRO-3, and
+    FSDP + TP + SP at dp=2 x tp=2 against ours (issue 36; needs `make bench-peers`)."""
+    from peer_cases import compare
+
+    pairs = {
+        "fsdp": ("3d:dp=2,zero=3", 2, "torchtitan_run.py", ["--tp", "1"]),
+        "fsdp_tp_sp": ("3d:dp=2,tp=2,zero=3,sp=true", 4, "torchtitan_run.py", ["--tp", "2"]),
+    }
+    return compare("torchtitan_llama", pairs, steps, repeats, global_batch=16, dims=LLAMA_BENCH_GPT)

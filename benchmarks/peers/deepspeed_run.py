@@ -1,0 +1,73 @@
+"""DeepSpeed's side of ``deepspeed_zero_stages``: the bench GPT trained by ``deepspeed.initialize``.
+
+    .venv-peers/bin/python benchmarks/peers/deepspeed_run.py --stage 2 [--offload] --steps 30
+
+DeepSpeed runs on its CPU accelerator over gloo (it JIT-builds its shared-memory collectives and,
+for ``--offload``, ``cpu_adam``). fp32, no gradient clipping, the client AdamW (DeepSpeed's
+``DeepSpeedCPUAdam`` in AdamW mode with ``--offload``, as ZeRO-Offload requires), our schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import WARMUP, bench_optimizer, replica_batches, run_and_print, timed_loop  # noqa: E402
+
+
+def train(model_dims: dict, stage: int, offload: bool, steps: int, global_batch: int) -> dict:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from lightning_3d.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**model_dims))
+    optimizer, schedule = bench_optimizer(model, WARMUP + steps)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        first = optimizer.defaults
+        optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=first["lr"], betas=first["betas"], adamw_mode=True)
+    zero: dict = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    world = dist.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": global_batch // world,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    block = model_dims["block_size"]
+    return timed_loop(step, replica_batches(block, global_batch, dist.get_rank(), world), steps, global_batch, block)
+
+
+if __name__ == "__main__":
+    import json
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=json.loads, required=True, help="GPTConfig fields as JSON")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), required=True)
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    run_and_print(train, args.world, args.model, args.stage, args.offload, args.steps, args.global_batch)

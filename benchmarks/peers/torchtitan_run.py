@@ -1,0 +1,139 @@
+"""torchtitan's side of ``torchtitan_llama``: its Llama 3 model, parallelized by its own
+``parallelize_llama`` (FSDP2 over the data-parallel ranks, optionally its TP + SP plan), holding our
+Llama-style GPT's initial weights, trained on our data with our AdamW recipe.
+
+    .venv-peers/bin/python benchmarks/peers/torchtitan_run.py --model '{...}' --tp 2 --world 4
+
+torchtitan's trainer needs Hugging Face assets and a CUDA-only attention; on CPU this runs its model
+and parallelization in a plain loop: SDPA (causal) in place of FlexAttention, cos/sin RoPE (the
+rotate-half layout our GPT and Hugging Face use), fp32 parameters and reductions, the
+``partial_dtensor`` backend (DTensor TP + FSDP2), loss parallel when TP shards the vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import WARMUP, bench_optimizer, replica_batches, run_and_print, timed_loop  # noqa: E402
+
+
+def our_keys_to_torchtitan(state: dict) -> dict:
+    """Our GPT's state dict under torchtitan's Llama 3 names (its fused wqkv loads from wq/wk/wv)."""
+    renames = {
+        "wte.": "tok_embeddings.", "ln_f.": "norm.", "lm_head.": "lm_head.",
+        "ln_1.": "attention_norm.", "ln_2.": "ffn_norm.", "attn.o_proj.": "attention.wo.",
+        "attn.q_proj.": "attention.qkv_linear.wq.", "attn.k_proj.": "attention.qkv_linear.wk.",
+        "attn.v_proj.": "attention.qkv_linear.wv.", "mlp.gate_proj.": "feed_forward.w1.",
+        "mlp.up_proj.": "feed_forward.w3.", "mlp.down_proj.": "feed_forward.w2.",
+    }
+    out = {}
+    for key, value in state.items():
+        name = key.replace("blocks.", "layers.", 1)
+        for ours, theirs in renames.items():
+            if ours in name:
+                name = name.replace(ours, theirs, 1)
+                break
+        else:
+            raise KeyError(f"no torchtitan name for {key}")
+        out[name] = value
+    return out
+
+
+def torchtitan_llama(dims: dict):
+    """torchtitan's Llama 3 config at our GPT's dimensions (its layer builder, then SDPA and cos/sin RoPE)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    from lightning_3d.models import GPTConfig
+
+    c = GPTConfig(**dims)
+    assert (c.mlp, c.norm, c.position, c.bias, c.tie_embeddings) == ("swiglu", "rmsnorm", "rope", False, False), (
+        "torchtitan's Llama needs a Llama-style GPT: swiglu, rmsnorm, rope, no bias, untied embeddings"
+    )
+    layers = _build_llama3_layers(
+        n_layers=c.n_layer, dim=c.n_embd, n_heads=c.n_head, n_kv_heads=c.kv_heads, hidden_dim=c.ffn_dim,
+        rope=CosSinRoPE.Config(dim=c.head_dim, max_seq_len=c.block_size, theta=c.rope_theta), attn_backend="flex",
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Llama3Model.Config(
+        dim=c.n_embd, vocab_size=c.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=c.vocab_size, embedding_dim=c.n_embd),
+        norm=RMSNorm.Config(normalized_shape=c.n_embd, eps=1e-5),
+        lm_head=Linear.Config(in_features=c.n_embd, out_features=c.vocab_size),
+        layers=layers,
+    )
+
+
+def train(model_dims: dict, tp: int, steps: int, global_batch: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torchtitan.tools.utils as titan_utils
+
+    # torchtitan reads its device once, at import, and falls back to CUDA: point it at the CPU before
+    # any module that binds the name is imported.
+    titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import parallelize_llama
+
+    from lightning_3d.models import GPT, GPTConfig
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // tp
+    parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp, spmd_backend="partial_dtensor")
+    config = torchtitan_llama(model_dims)
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    model = config.build()
+    torch.manual_seed(0)
+    model.load_state_dict(our_keys_to_torchtitan(GPT(GPTConfig(**model_dims)).state_dict()))
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    with tempfile.TemporaryDirectory() as dump:
+        model = parallelize_llama(
+            model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
+            compile_config=CompileConfig(enable=False), ac_config=None, dump_folder=dump,
+        )
+    optimizer, schedule = bench_optimizer(model, WARMUP + steps)
+    scheduler = schedule(optimizer)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        logits = model(x)
+        if isinstance(logits, DTensor):
+            with loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss.backward()
+            loss = loss.full_tensor()
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return loss.item()
+
+    block = model_dims["block_size"]
+    return timed_loop(step, replica_batches(block, global_batch, rank // tp, dp), steps, global_batch, block)
+
+
+if __name__ == "__main__":
+    import json
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=json.loads, required=True, help="GPTConfig fields as JSON (Llama-style)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    run_and_print(train, args.world, args.model, args.tp, args.steps, args.global_batch)
