@@ -88,6 +88,7 @@ def compare(
             "peak_memory_ratio": round(summary["ours"]["peak_memory_mb"] / summary["peer"]["peak_memory_mb"], 3),
             "loss_max_abs_diff": max(diffs),
             "loss_max_abs_diff_first5": max(diffs[:5]),
+            "loss_abs_diff_by_step": [float(f"{d:.2g}") for d in diffs],
             "first_losses": {side: [round(x, 6) for x in rs[0]["losses"][:3]] for side, rs in sides.items()},
         }
     return out

@@ -1,8 +1,8 @@
 """torchtitan's side of ``torchtitan_llama``: its Llama 3 model, parallelized by its own
-``parallelize_llama`` (FSDP2 over the data-parallel ranks, optionally its TP + SP plan), holding our
+``parallelize_llama`` (FSDP2 over the data-parallel ranks, optionally its TP plan, with or without SP), holding our
 Llama-style GPT's initial weights, trained on our data with our AdamW recipe.
 
-    .venv-peers/bin/python benchmarks/peers/torchtitan_run.py --model '{...}' --tp 2 --world 4
+    .venv-peers/bin/python benchmarks/peers/torchtitan_run.py --model '{...}' --tp 2 [--sp] --world 4
 
 torchtitan's trainer needs Hugging Face assets and a CUDA-only attention; on CPU this runs its model
 and parallelization in a plain loop: SDPA (causal) in place of FlexAttention, cos/sin RoPE (the
@@ -72,7 +72,7 @@ def torchtitan_llama(dims: dict):
     )
 
 
-def train(model_dims: dict, tp: int, steps: int, global_batch: int) -> dict:
+def train(model_dims: dict, tp: int, sp: bool, steps: int, global_batch: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -91,7 +91,9 @@ def train(model_dims: dict, tp: int, steps: int, global_batch: int) -> dict:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // tp
-    parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp, spmd_backend="partial_dtensor")
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=dp, tensor_parallel_degree=tp, enable_sequence_parallel=sp, spmd_backend="partial_dtensor"
+    )
     config = torchtitan_llama(model_dims)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     model = config.build()
@@ -104,6 +106,10 @@ def train(model_dims: dict, tp: int, steps: int, global_batch: int) -> dict:
             model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
             compile_config=CompileConfig(enable=False), ac_config=None, dump_folder=dump,
         )
+    if dp > 1 and dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM/AVG reduce-scatter: sum, then divide
+        for module in model.modules():
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
     optimizer, schedule = bench_optimizer(model, WARMUP + steps)
     scheduler = schedule(optimizer)
 
@@ -132,8 +138,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=json.loads, required=True, help="GPTConfig fields as JSON (Llama-style)")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true", help="torchtitan's sequence parallel with TP")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    run_and_print(train, args.world, args.model, args.tp, args.steps, args.global_batch)
+    run_and_print(train, args.world, args.model, args.tp, args.sp, args.steps, args.global_batch)
