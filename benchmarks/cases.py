@@ -497,7 +497,8 @@ def plan_wall_time(steps: int, repeats: int) -> dict[str, Any]:
 @case
 def deepspeed_zero_stages(steps: int, repeats: int) -> dict[str, Any]:
     """Ours vs DeepSpeed 0.19.8 (its CPU accelerator, gloo) at ZeRO 1, 2, 3 and ZeRO-2 + CPU offload, dp=2:
-    same GPT, data, batch, fp32 AdamW and schedule (issue 36; needs `make bench-peers`)."""
+    same GPT, data, batch, fp32 AdamW and schedule (issue 36; needs `make bench-peers`). ``lightning_loop``
+    measures the floor under both: Lightning's ``ddp`` over torch DDP in a plain loop."""
     from peer_cases import compare
 
     pairs = {
@@ -505,6 +506,8 @@ def deepspeed_zero_stages(steps: int, repeats: int) -> dict[str, Any]:
         "zero2": ("3d:dp=2,zero=2", 2, "deepspeed_run.py", ["--stage", "2"]),
         "zero3": ("3d:dp=2,zero=3", 2, "deepspeed_run.py", ["--stage", "3"]),
         "zero2_offload": ("3d:dp=2,zero=2,offload=cpu", 2, "deepspeed_run.py", ["--stage", "2", "--offload"]),
+        # What Lightning's loop costs: its DDP strategy against torch DDP in a plain loop, like DeepSpeed's.
+        "lightning_loop": ("ddp", 2, "torch_ddp_run.py", []),
     }
     return compare("deepspeed_zero_stages", pairs, steps, repeats, global_batch=16, dims=BENCH_GPT)
 
