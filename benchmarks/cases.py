@@ -45,12 +45,16 @@ def model_state_mb(module: torch.nn.Module, optimizers: list[torch.optim.Optimiz
     return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
 
 
-def _strategy(spec: str) -> tuple[Any, type[GPTModule]]:
+def _strategy(spec: Any) -> tuple[Any, type[GPTModule]]:
     """A strategy and the module class to train with it, from a short spec such as ``3d:dp=2,tp=2``."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_3d import ThreeDParallelStrategy
 
+    if isinstance(spec, dict):  # ThreeDParallelStrategy keywords (a planned layout's strategy_kwargs)
+        from lightning_3d import ThreeDParallelStrategy
+
+        return ThreeDParallelStrategy(**spec), GPTModule
     name, _, args = spec.partition(":")
     kwargs: dict[str, Any] = {k: (int(v) if v.isdigit() else v) for k, v in (item.split("=") for item in args.split(",") if item)}
     if name == "3d":
@@ -119,7 +123,7 @@ class StepLosses(L.Callback):
 
 
 def fit_throughput(
-    strategy_spec: str, steps: int, global_batch: int, warmup: int = 5, model_dims: Optional[dict[str, Any]] = None
+    strategy_spec: Any, steps: int, global_batch: int, warmup: int = 5, model_dims: Optional[dict[str, Any]] = None
 ) -> dict[str, Any]:
     """Runs on every rank: tokens/s (all replicas), step time, peak memory and losses of ``steps`` GPT
     steps (``model_dims``: GPTConfig fields, default ``BENCH_GPT``)."""
@@ -530,3 +534,12 @@ def torchtitan_llama(steps: int, repeats: int) -> dict[str, Any]:
         "fsdp_tp": ("3d:dp=2,tp=2,zero=3", 4, "torchtitan_run.py", ["--tp", "2"]),
     }
     return compare("torchtitan_llama", pairs, steps, repeats, global_batch=16, dims=LLAMA_BENCH_GPT)
+
+
+@case
+def planner_predicted_vs_measured(steps: int, repeats: int) -> dict[str, Any]:
+    """Issue 37's table: `lightning-3d profile` here, then the planner's step time and model state for 15
+    layouts of gpt_tiny on 1-2 CPU processes against our Trainer's, alternating; errors and Spearman."""
+    from planner_cases import predicted_vs_measured
+
+    return predicted_vs_measured(steps, repeats)

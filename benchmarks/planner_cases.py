@@ -119,3 +119,98 @@ def search_speed(repeats: int = 3) -> dict[str, Any]:
             "layouts": result.searched,
         }
     return out
+
+
+# Layouts of gpt_tiny (global batch 16) this machine runs on 1 or 2 CPU processes. Outside a
+# pipeline the strategy runs one micro-batch per replica, so mb is the global batch over dp.
+MEASURED_LAYOUTS = (
+    "dp=1,tp=1,pp=1,mb=16", "dp=1,tp=1,pp=1,mb=16,recompute=full",
+    "dp=2,tp=1,pp=1,mb=8,zero=0", "dp=2,tp=1,pp=1,mb=8,zero=1", "dp=2,tp=1,pp=1,mb=8,zero=2", "dp=2,tp=1,pp=1,mb=8,zero=3",
+    "dp=2,tp=1,pp=1,mb=8,zero=1,recompute=full", "dp=2,tp=1,pp=1,mb=8,zero=2,offload=cpu",
+    "dp=1,tp=2,pp=1,mb=16", "dp=1,tp=2,pp=1,mb=16,sp=true",
+    "dp=1,tp=1,pp=2,mb=4,schedule=1f1b", "dp=1,tp=1,pp=2,mb=2,schedule=1f1b", "dp=1,tp=1,pp=2,mb=4,schedule=gpipe",
+    "dp=1,tp=1,pp=2,mb=4,schedule=interleaved,v=2", "dp=1,tp=1,pp=2,mb=4,schedule=zb_h1",
+)
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = MEASURED_LAYOUTS) -> dict[str, Any]:
+    """``lightning-3d profile`` on this machine, then for every layout the planner's step time and model
+    state next to the measured ones (our Trainer, alternating over the layouts ``repeats`` times, median),
+    the errors and the rank correlation (issue 37's table)."""
+    import json
+    import tempfile
+
+    from cases import fit_throughput
+
+    from lightning_3d.apps.plan_cli import parse_layout
+    from lightning_3d.planner import problem_from_config
+    from lightning_3d.testing.harness import run_on_ranks
+
+    with tempfile.TemporaryDirectory(prefix="l3d_profile_") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "lightning_3d.apps.cli", "profile", "--name", "bench_here", "--out", out],
+            check=True, capture_output=True, text=True, cwd=ROOT,
+        )
+        measured_machine = json.loads(done.stdout.strip().splitlines()[-1])["measured"]
+        cfg = compose_config([f"hydra.searchpath=[file://{out}]", "cluster=bench_here", "model=gpt_tiny",
+                              "data.global_batch_size=16", "trainer.precision=32-true"])
+        estimates = []
+        for text in layouts:
+            layout = parse_layout(text)
+            world = layout["dp"] * layout["tp"] * layout["pp"]
+            problem = problem_from_config(cfg, nodes=None)
+            planner = Planner(problem if world == problem.cluster.world_size else _with_world(problem, world))
+            estimates.append((text, world, best_completion(planner, layout)))
+    runs: dict[str, list[dict[str, Any]]] = {text: [] for text in layouts}
+    for _ in range(repeats):
+        for text, world, estimate in estimates:
+            kwargs = estimate.layout.strategy_kwargs(16, estimate.split_points)
+            runs[text].append(run_on_ranks(fit_throughput, world, kwargs, steps, 16, timeout=900)[0])
+    rows = []
+    for text, world, estimate in estimates:
+        step = statistics.median(r["step_time_s"] for r in runs[text])
+        state = statistics.median(r["model_state_mb"] for r in runs[text])
+        predicted_state = sum(estimate.memory.get(k, 0.0) for k in ("params", "grads", "optimizer")) / 2**20
+        rows.append({
+            "layout": text, "ranks": world, "predicted_step_s": round(estimate.step_seconds, 4), "measured_step_s": round(step, 4),
+            "step_error": round(estimate.step_seconds / step - 1, 3), "predicted_state_mb": round(predicted_state, 2),
+            "measured_state_mb": round(state, 2), "state_error": round(predicted_state / state - 1, 3) if state else None,
+            "predicted_time_s": {k: round(v, 4) for k, v in estimate.time.items() if v},
+        })
+    errors = [abs(r["step_error"]) for r in rows]
+    return {
+        "case": "planner_predicted_vs_measured", "model": "gpt_tiny", "global_batch": 16, "steps": steps, "repeats": repeats,
+        "profile": {k: v for k, v in measured_machine.items() if k not in ("all_reduce",)},
+        "rows": rows,
+        "within_15pct": sum(e <= 0.15 for e in errors), "of": len(rows),
+        "mean_abs_step_error": round(statistics.fmean(errors), 3), "max_abs_step_error": round(max(errors), 3),
+        "spearman": round(_spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]), 3),
+    }
+
+
+def _with_world(problem: Any, world: int) -> Any:
+    """The same problem on a cluster of ``world`` processes (1 or 2 on this machine)."""
+    from dataclasses import replace
+
+    return replace(problem, cluster=replace(problem.cluster, devices_per_node=world))

@@ -619,6 +619,7 @@ RECORDED_PROFILE = {  # this machine, 2026-12-02 (2 processes at once)
     "gemm_tflops": {"256": 0.0717, "512": 0.0860, "1024": 0.0955}, "copy_gb_per_s": 34.74,
     "all_reduce": {"4096": {"seconds": 4.3e-4, "bus_gb_per_s": 0.0095}, "16777216": {"seconds": 0.0103, "bus_gb_per_s": 1.62}},
     "date": "2026-12-02", "host": "vm", "copy_mb": 256, "ram_gb": 24.7,
+    "layer_overhead_s": 1.2e-3, "step_s": 9.63e-3,
 }
 
 
@@ -634,10 +635,31 @@ def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) ->
     assert (cluster.device.peak_tflops, cluster.device.gemm_efficiency) == (0.0955, 1.0)
     # bandwidths written / the planner's efficiency factors, which it applies again: it charges what was measured
     assert (cluster.intra_node_gb_per_s, cluster.device.memory_bandwidth_gb_per_s, cluster.world_size) == (2.025, 43.42, 2)
+    # the host terms: the small all-reduce's latency, the tiny block's dispatch, the minimal step less both
+    assert (cluster.collective_latency_us, cluster.device.layer_overhead_us, cluster.step_overhead_ms) == (430.0, 1200.0, 8.0)
     problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
     assert Planner(problem).search()
     with pytest.raises(ValueError):  # a figure that makes no valid cluster: no file
         cluster_from({**RECORDED_PROFILE, "ram_gb": 0.0}, "empty", devices_per_node=2, ranks=2)
+
+
+def test_the_host_terms_add_what_they_say_to_a_step() -> None:
+    """A profiled cluster's dispatch per layer pass and loop time per step enter the step exactly (one rank:
+    no collective); its measured latency replaces NCCL's tables (a 2-rank all-reduce costs it, plus the wire)."""
+    from dataclasses import replace as copy_with
+
+    from lightning_3d.planner.collective_cost import Group, collective_cost
+
+    base = load_cluster(compose("cluster=local_cpu").cluster)
+    base = copy_with(base, devices_per_node=1)
+    timed = copy_with(base, device=copy_with(base.device, layer_overhead_us=500.0), step_overhead_ms=7.0)
+    layout = parse_layout("dp=1,tp=1,pp=1,mb=4,zero=0")
+    steps = [best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), layout).step_seconds for c in (base, timed)]
+    micro_batches, layers = 4, 4
+    assert steps[1] - steps[0] == pytest.approx(micro_batches * layers * 500e-6 + 7e-3, rel=1e-9)
+    group = Group(2, 1, 1.0, latency_us=400.0)
+    assert collective_cost("all_reduce", 1e6, group).seconds == pytest.approx(400e-6 + 1e6 / (1e9 * 0.8), rel=1e-9)
+    assert collective_cost("all_gather", 1e6, group).latency == pytest.approx(200e-6)
 
 
 def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -647,6 +669,7 @@ def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsy
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     measured = report["measured"]
     assert min(measured["gemm_tflops"].values()) > 0 and measured["copy_gb_per_s"] > 0
+    assert measured["layer_overhead_s"] > 0 and measured["step_s"] > 0
     assert all(r["bus_gb_per_s"] > 0 for r in measured["all_reduce"].values())
     assert load_cluster(compose(f"hydra.searchpath=[file://{tmp_path}]", "cluster=here").cluster).devices_per_node == 2
     with pytest.raises(SystemExit):  # Hydra would compose the shipped cluster of that name instead

@@ -10,11 +10,14 @@ measure at once, so each figure includes its neighbours' contention, and the slo
   (divided by the planner's HBM efficiency, which it applies again);
 * the all-reduce bus bandwidth at the largest size (``2 (n - 1) / n x bytes / seconds``):
   ``intra_node_gb_per_s`` (divided by the planner's link efficiency);
-* the all-reduce latency at the smallest size.
+* the all-reduce latency at the smallest size: ``collective_latency_us``, which replaces NCCL's
+  latency tables for this cluster;
+* the forward + backward of a transformer block too small to compute: ``device.layer_overhead_us``,
+  the per-layer dispatch time an eager CPU process pays in line;
+* the median step of a Trainer under the strategy on a one-layer GPT too small to compute, less
+  that layer and one all-reduce: ``step_overhead_ms``, the training loop's own time.
 
-The planner's collective model takes its latencies from NCCL's tables, so the measured latency is
-written to the file as a comment, not used. The measured figures and their sizes are printed as
-JSON.
+The measured figures and their sizes are printed as JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 MB = 2**20
 
 
-def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], repeats: int) -> dict[str, Any]:
+def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], repeats: int, loop_steps: int = 25) -> dict[str, Any]:
     """One rank's measurements (inside a process group: every rank runs this at once)."""
     import torch
     import torch.distributed as dist
@@ -60,7 +63,60 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
         t = torch.zeros(max(1, nbytes // 4), device=cpu)
         seconds = best(lambda: dist.all_reduce(t))
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
-    return {"gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce}
+    return {
+        "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce,
+        "layer_overhead_s": layer_overhead_seconds(best), "step_s": minimal_step_seconds(loop_steps, warmup=max(2, loop_steps // 5)),
+    }
+
+
+def layer_overhead_seconds(best: Any, calls: int = 40) -> float:
+    """Forward + backward of one transformer block too small to compute (16 wide, 8 tokens): what
+    dispatching its operators and autograd cost this process, the per-layer time the arithmetic
+    terms do not see."""
+    import torch
+
+    from lightning_3d.models.gpt import Block, GPTConfig
+
+    block = Block(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    x = torch.randn(1, 8, 16, requires_grad=True)
+
+    def passes() -> None:
+        for _ in range(calls):
+            block(x).sum().backward()
+
+    return best(passes) / calls
+
+
+def minimal_step_seconds(steps: int = 25, warmup: int = 5) -> float:
+    """The median optimizer step of a Trainer with our strategy over every rank (data parallel) on a
+    one-layer GPT too small to compute: the training loop's own time per step, plus one layer and the
+    gradient all-reduce, which :func:`cluster_from` subtracts."""
+    import statistics
+
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_3d import ThreeDParallelStrategy
+    from lightning_3d.data import TextDataModule
+    from lightning_3d.models import GPTConfig, GPTModule
+
+    ends: list[float] = []
+
+    class StepEnds(L.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            ends.append(time.perf_counter())
+
+    world = dist.get_world_size()
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        strategy=ThreeDParallelStrategy(data_parallel=world), accelerator="cpu", devices=world, max_steps=steps + warmup,
+        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[StepEnds()],
+    )
+    model = GPTModule(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16), warmup_steps=2)
+    model.configure_callbacks = lambda: []  # no throughput callback: the loop alone
+    trainer.fit(model, TextDataModule(block_size=8, global_batch_size=world, max_bytes=2**16))
+    return statistics.median(b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
 
 
 def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -75,6 +131,7 @@ def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "gemm_tflops": {n: min(r["gemm_tflops"][n] for r in per_rank) for n in first["gemm_tflops"]},
         "copy_gb_per_s": min(r["copy_gb_per_s"] for r in per_rank),
         "all_reduce": reduce,
+        **{key: max(r[key] for r in per_rank) for key in ("layer_overhead_s", "step_s") if key in first},
     }
 
 
@@ -94,6 +151,10 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     reduce = measured["all_reduce"]
     largest, smallest = max(reduce, key=int), min(reduce, key=int)
     ram_gb = measured.get("ram_gb", 0.0)
+    latency_s = reduce[smallest]["seconds"]
+    layer_s = measured.get("layer_overhead_s", 0.0)
+    # the minimal step less what the model charges it anyway: its one layer's dispatch and its gradient all-reduce
+    loop_s = max(0.0, measured.get("step_s", 0.0) - layer_s - latency_s) if "step_s" in measured else 0.0
     config = {
         "name": name,
         "accelerator": "cpu",
@@ -104,6 +165,8 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "inter_node_gb_per_s": 0,
         "cpu_ram_gb": round(ram_gb, 1),
         "nvme_gb": 0,
+        "collective_latency_us": float(f"{latency_s * 1e6:.4g}"),
+        "step_overhead_ms": float(f"{loop_s * 1e3:.4g}"),
         "device": {
             "model": "cpu-process (measured)",
             "memory_gb": float(f"{ram_gb / devices_per_node:.4g}"),
@@ -111,6 +174,7 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
             "memory_bandwidth_gb_per_s": float(f"{measured['copy_gb_per_s'] / HBM_EFFICIENCY:.4g}"),
             "gemm_efficiency": 1.0,
             "reserved_gb": 0.0,
+            "layer_overhead_us": float(f"{layer_s * 1e6:.4g}"),
         },
     }
     load_cluster(config).validate()  # a figure that makes no valid cluster fails here, before any file is written
@@ -122,7 +186,10 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         f"device.memory_bandwidth_gb_per_s: a {measured.get('copy_mb', '?')} MB copy (read + write) per process, / {HBM_EFFICIENCY}.",
         f"intra_node_gb_per_s: all-reduce bus bandwidth of {int(largest) // MB} MB over {ranks} processes, / {LINK_EFFICIENCY}.",
         "(the planner derates bandwidths by those factors: it then charges the measured ones); the slowest rank's figures.",
-        f"all-reduce latency ({int(smallest)} bytes): {reduce[smallest]['seconds'] * 1e6:.0f} us (the planner uses NCCL's tables: not used).",
+        f"collective_latency_us: a {int(smallest)}-byte all-reduce over {ranks} processes (in place of NCCL's latency tables).",
+        "device.layer_overhead_us: forward + backward of a 16-wide, 8-token transformer block (operator dispatch, autograd).",
+        "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
+        "less that layer and one all-reduce: the training loop's own time (no logger, progress bar or checkpoints).",
     ]
     return config, comments
 
@@ -168,7 +235,7 @@ def profile_main(argv: list[str]) -> int:
     from lightning_3d.testing.harness import run_on_ranks
 
     quick = args.quick
-    sizes = ([64, 128], 8, [4096, MB], 2) if quick else ([256, 512, 1024], 256, [4096, 64 * 1024, MB, 16 * MB], 5)
+    sizes = ([64, 128], 8, [4096, MB], 2, 6) if quick else ([256, 512, 1024], 256, [4096, 64 * 1024, MB, 16 * MB], 5, 25)
     start = time.perf_counter()
     measured = slowest(run_on_ranks(measure_rank, args.ranks, *sizes, timeout=600, strict=False))
     measured.update(

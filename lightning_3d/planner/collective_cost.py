@@ -113,6 +113,7 @@ class Group:
     nodes: int
     gb_per_s: float
     amd_host: bool = False  # NCCL charges AMD hosts more per network step
+    latency_us: float = 0.0  # measured start-up between two ranks (ClusterSpec.collective_latency_us); 0: NCCL's tables
 
     @property
     def ranks_per_node(self) -> int:
@@ -191,6 +192,9 @@ def _collective_cost(kind: str, nbytes: float, group: Group, nccl: NcclVersion) 
         return NO_COST
     bus = group.gb_per_s * 1e9 * LINK_EFFICIENCY
     wire = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes  # what each rank sends
+    if group.latency_us > 0:  # a measured transport (gloo): its start-up per ring step, one protocol
+        steps = (2 if kind == "all_reduce" else 1) * (n - 1)  # the measured 2-rank all-reduce is 2 steps
+        return CollectiveCost(group.latency_us / 2 * steps * 1e-6, wire / bus, "ring", "measured")
     best = None
     for proto, name in enumerate(PROTOCOLS):
         bandwidth = _protocol_bandwidth(kind, bus, proto, group, nccl)

@@ -29,6 +29,10 @@ class DeviceSpec:
     memory_bandwidth_gb_per_s: float = 0.0  # HBM (or DRAM share for CPU)
     gemm_efficiency: float = 0.7  # calibrated fraction of peak that large GEMMs reach in training
     reserved_gb: float = 0.0  # runtime context, communicator buffers, allocator slack
+    # Host time of one transformer layer's forward + backward beyond its arithmetic: eager operator
+    # dispatch and autograd, which a CPU process pays in line (``lightning-3d profile`` measures it);
+    # 0 where kernels are queued ahead of the device (GPUs with a busy queue).
+    layer_overhead_us: float = 0.0
 
     def validate(self) -> None:
         for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gb_per_s"):
@@ -36,6 +40,8 @@ class DeviceSpec:
                 raise ValueError(f"device.{name}={getattr(self, name)!r} must be positive (device model {self.model!r}).")
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(f"device.gemm_efficiency={self.gemm_efficiency!r} must be in (0, 1].")
+        if self.layer_overhead_us < 0:
+            raise ValueError(f"device.layer_overhead_us={self.layer_overhead_us!r} must be >= 0 (0: none).")
 
 
 @dataclass
@@ -56,6 +62,12 @@ class ClusterSpec:
     nvme_gb_per_s: float = 0.0  # per node
     pcie_gb_per_s: float = 0.0  # host <-> device, per device (0: the device is the host)
     host_cpu: str = "intel"  # intel | amd: NCCL's per-step network overhead depends on it
+    # Measured start-up of one collective between two ranks (gloo between CPU processes); it replaces
+    # NCCL's latency tables, growing with the ring's n - 1 steps. 0: NCCL's tables.
+    collective_latency_us: float = 0.0
+    # Per optimizer step, what the training loop itself costs on the host (Lightning's loop, callbacks,
+    # the finite-gradient vote, logging), measured on a model too small to compute. 0: not modelled.
+    step_overhead_ms: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -75,6 +87,9 @@ class ClusterSpec:
             raise ValueError(f"cluster {self.name!r}: intra_node_gb_per_s must be positive.")
         if self.num_nodes > 1 and self.inter_node_gb_per_s <= 0:
             raise ValueError(f"cluster {self.name!r}: {self.num_nodes} nodes need inter_node_gb_per_s > 0.")
+        for name in ("collective_latency_us", "step_overhead_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cluster {self.name!r}: {name}={getattr(self, name)!r} must be >= 0 (0: not modelled).")
         self.device.validate()
 
 

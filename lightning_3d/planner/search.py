@@ -399,7 +399,7 @@ class Planner:
         bandwidth = self._bandwidth(stride, size)
         if own_adapter and nodes > 1:
             bandwidth = min(bandwidth, self._per_device_network())
-        return Group(size, nodes, bandwidth, amd_host=cluster.host_cpu == "amd")
+        return Group(size, nodes, bandwidth, amd_host=cluster.host_cpu == "amd", latency_us=cluster.collective_latency_us)
 
     @property
     def nccl(self):  # type: ignore[no-untyped-def]
@@ -535,7 +535,7 @@ class Planner:
             split = layout.sequence_parallel or p.software.p2p_scatter_gather
             nbytes = c * mb * local_seq * model.hidden / (t if split else 1)
             hidden = p.software.p2p_overlap and v > 1  # Megatron-Core overlaps p2p for the interleaved schedule
-            p2p = 0.0 if hidden else 2 * p2p_seconds(nbytes, self._bandwidth(t * cp * d, 2))  # a stage is dp x cp x tp ranks
+            p2p = 0.0 if hidden else 2 * p2p_seconds(nbytes, self._bandwidth(t * cp * d, 2), cluster.collective_latency_us)  # a stage is dp x cp x tp ranks
         per_micro_batch = stage_seconds + v * p2p
         if layout.schedule in ZERO_BUBBLE and pp > 1:  # its own simulated (or exact) step (zero_bubble.py)
             bubble = zero_bubble_pipeline(layout.schedule, pp, m).bubble_units * per_micro_batch
@@ -551,7 +551,8 @@ class Planner:
             dp_time = self._expert_data_parallel_time(layout, layers, cost, dp_time)
         exposed_dp = dp_time.exposed
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
-        step = pipeline + exposed_dp + opt
+        loop = cluster.step_overhead_ms * 1e-3  # the training loop's own host time (profiled clusters)
+        step = pipeline + exposed_dp + opt + loop
 
         world = layout.world
         recompute_passes = {"none": 0.0, "full": 1.0, "selective": 0.0}[layout.recompute]
@@ -568,6 +569,7 @@ class Planner:
             "pp_p2p": m * v * p2p,
             "dp_comm_exposed": exposed_dp,
             "optimizer": opt,
+            **({"step_overhead": loop} if loop else {}),
         }
         comm = {"dp": dp_time.to_dict()}
         if cp > 1:

@@ -60,9 +60,10 @@ class MicroBatchCost:
         return self.forward + self.backward + self.tp_comm + self.cp_comm + self.ep_comm
 
 
-def p2p_seconds(nbytes: float, gb_per_s: float) -> float:
-    """One point-to-point send of ``nbytes`` over a link of ``gb_per_s``."""
-    return nbytes / (gb_per_s * 1e9 * LINK_EFFICIENCY)
+def p2p_seconds(nbytes: float, gb_per_s: float, latency_us: float = 0.0) -> float:
+    """One point-to-point send of ``nbytes`` over a link of ``gb_per_s``; with a measured collective
+    latency (``ClusterSpec.collective_latency_us``, a 2-rank all-reduce: two ring steps), one step's."""
+    return nbytes / (gb_per_s * 1e9 * LINK_EFFICIENCY) + latency_us / 2 * 1e-6
 
 
 def layer_cost(
@@ -98,9 +99,11 @@ def layer_cost(
         scores = micro_batch * model.n_head / tp * model.seq_len**2 / cp * per_score
     elem_fwd = (hidden + ffn + scores) / hbm_rate
 
-    recompute_fwd = {"none": 0.0, "full": gemm_fwd + elem_fwd, "selective": scores / hbm_rate}[recompute]
-    forward = gemm_fwd + elem_fwd
-    backward = 2.0 * gemm_fwd + BACKWARD_FACTOR * elem_fwd + recompute_fwd
+    # Host dispatch (a profiled CPU process): a third in forward, two thirds in backward, once more with full recompute.
+    overhead = device.layer_overhead_us * 1e-6
+    recompute_fwd = {"none": 0.0, "full": gemm_fwd + elem_fwd + overhead / 3, "selective": scores / hbm_rate}[recompute]
+    forward = gemm_fwd + elem_fwd + overhead / 3
+    backward = 2.0 * gemm_fwd + BACKWARD_FACTOR * elem_fwd + recompute_fwd + overhead * 2 / 3
     collectives = 4 + (2 if recompute == "full" else 0)  # two in forward, two in backward, two in recompute
     activation = tokens * model.hidden * 2.0
     tp_comm = collectives * collective_cost("all_reduce", activation, tp_group, nccl).seconds
