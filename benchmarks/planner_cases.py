@@ -128,7 +128,7 @@ MEASURED_LAYOUTS = (
     "dp=2,tp=1,pp=1,mb=8,zero=0", "dp=2,tp=1,pp=1,mb=8,zero=1", "dp=2,tp=1,pp=1,mb=8,zero=2", "dp=2,tp=1,pp=1,mb=8,zero=3",
     "dp=2,tp=1,pp=1,mb=8,zero=1,recompute=full", "dp=2,tp=1,pp=1,mb=8,zero=2,offload=cpu",
     "dp=1,tp=2,pp=1,mb=16", "dp=1,tp=2,pp=1,mb=16,sp=true",
-    "dp=1,tp=1,pp=2,mb=4,schedule=1f1b", "dp=1,tp=1,pp=2,mb=2,schedule=1f1b", "dp=1,tp=1,pp=2,mb=4,schedule=gpipe",
+    "dp=1,tp=1,pp=2,mb=4,schedule=1f1b", "dp=1,tp=1,pp=2,mb=2,schedule=1f1b", "dp=1,tp=1,pp=2,mb=8,schedule=1f1b",
     "dp=1,tp=1,pp=2,mb=4,schedule=interleaved,v=2", "dp=1,tp=1,pp=2,mb=4,schedule=zb_h1",
 )
 
@@ -148,6 +148,8 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
             i = j + 1
         return out
 
+    if len(xs) < 2:
+        return float("nan")
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))

@@ -4,8 +4,10 @@
 On CPU it runs ``--ranks`` processes over gloo, one thread each, as training runs them. All ranks
 measure at once, so each figure includes its neighbours' contention, and the slowest rank's is kept:
 
-* the GEMM rate (square fp32 matmuls, the best of the sizes): ``device.peak_tflops``, with
-  ``gemm_efficiency: 1.0`` because the figure is already what GEMMs reach;
+* the compute rate: a transformer block at the tiny recipes' width, forward + backward, its FLOPs
+  (the planner's count) over its time less its dispatch: ``device.peak_tflops``, with
+  ``gemm_efficiency: 1.0`` because the figure is already what the arithmetic reaches (square fp32
+  GEMMs, the rate of an older profile, are kept in the JSON);
 * the copy bandwidth of a large tensor (read + write): ``device.memory_bandwidth_gb_per_s``
   (divided by the planner's HBM efficiency, which it applies again);
 * the all-reduce bus bandwidth at the largest size (``2 (n - 1) / n x bytes / seconds``):
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from datetime import date
@@ -39,7 +42,7 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
     import torch
     import torch.distributed as dist
 
-    def best(fn: Any) -> float:
+    def timed(fn: Any, pick: Any) -> float:
         fn()  # warm-up
         times = []
         for _ in range(repeats):
@@ -47,7 +50,13 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-        return min(times)
+        return pick(times)
+
+    def best(fn: Any) -> float:  # what the hardware can reach: rates and latencies
+        return timed(fn, min)
+
+    def typical(fn: Any) -> float:  # what a training step meets: the median, as steps are measured
+        return timed(fn, statistics.median)
 
     cpu = torch.device("cpu")  # (this profile measures CPU processes over gloo; a GPU profile is not built)
     gemm = {}
@@ -58,15 +67,54 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
     y = torch.empty_like(x)
     copy = 2.0 * x.numel() * 4 / best(lambda: y.copy_(x)) / 1e9
     world = dist.get_world_size()
+    # a small all-reduce between pieces of compute, as training issues them: its start-up plus the
+    # wait for the other ranks' compute to line up, which an idle all-reduce does not show
+    a = torch.randn(192, 192, device=cpu)
+    small = torch.zeros(1024, device=cpu)
+    chunks = 50
+
+    def compute() -> None:
+        for _ in range(chunks):
+            a @ a
+
+    def compute_and_reduce() -> None:
+        for _ in range(chunks):
+            a @ a
+            dist.all_reduce(small)
+
+    loaded_latency = max(0.0, (typical(compute_and_reduce) - typical(compute)) / chunks)
     reduce = {}
     for nbytes in reduce_sizes:
         t = torch.zeros(max(1, nbytes // 4), device=cpu)
         seconds = best(lambda: dist.all_reduce(t))
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
     return {
-        "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce,
-        "layer_overhead_s": layer_overhead_seconds(best), "step_s": minimal_step_seconds(loop_steps, warmup=max(2, loop_steps // 5)),
+        "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
+        "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical),
+        "step_s": minimal_step_seconds(loop_steps, warmup=max(2, loop_steps // 5)),
     }
+
+
+# The block whose forward + backward sets the device's rate: the tiny recipes' width (gpt_tiny), as
+# they train here. A CPU's rate depends on the shapes (small GEMMs, SDPA, element-wise kernels), so
+# plans for much wider models on this machine will be pessimistic.
+RATE_BLOCK = dict(vocab_size=256, block_size=128, n_layer=1, n_head=4, n_embd=128)
+RATE_BATCH = 8
+
+
+def block_seconds(best: Any) -> dict[str, float]:
+    """Forward + backward of one transformer block at the tiny recipes' size, and its training FLOPs
+    as the planner counts them (3 x forward): what the planner's per-layer compute term must reach."""
+    import torch
+
+    from lightning_3d.core.model_shape import ModelShape
+    from lightning_3d.models.gpt import Block, GPTConfig
+
+    block = Block(GPTConfig(**RATE_BLOCK))
+    x = torch.randn(RATE_BATCH, RATE_BLOCK["block_size"], RATE_BLOCK["n_embd"], requires_grad=True)
+    shape = ModelShape.from_config(dict(RATE_BLOCK), seq_len=RATE_BLOCK["block_size"])
+    flops = 3.0 * RATE_BATCH * RATE_BLOCK["block_size"] * shape.layer_forward_flops_per_token()
+    return {"seconds": best(lambda: block(x).sum().backward()), "flops": flops}
 
 
 def layer_overhead_seconds(best: Any, calls: int = 40) -> float:
@@ -131,7 +179,8 @@ def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "gemm_tflops": {n: min(r["gemm_tflops"][n] for r in per_rank) for n in first["gemm_tflops"]},
         "copy_gb_per_s": min(r["copy_gb_per_s"] for r in per_rank),
         "all_reduce": reduce,
-        **{key: max(r[key] for r in per_rank) for key in ("layer_overhead_s", "step_s") if key in first},
+        **{key: max(r[key] for r in per_rank) for key in ("layer_overhead_s", "step_s", "loaded_latency_s") if key in first},
+        **({"block": max((r["block"] for r in per_rank), key=lambda b: b["seconds"])} if "block" in first else {}),
     }
 
 
@@ -148,10 +197,17 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     if devices_per_node < 1:
         raise ValueError(f"--devices-per-node={devices_per_node} must be at least 1.")
     gemm = max(measured["gemm_tflops"].values())
+    rate_from = f"the best square fp32 GEMM of sizes {sorted(int(n) for n in measured['gemm_tflops'])} per process"
+    block = measured.get("block")
+    if block and block["seconds"] > measured.get("layer_overhead_s", 0.0):
+        # what a transformer block's arithmetic reaches once its dispatch (charged per layer) is taken out
+        gemm = block["flops"] / (block["seconds"] - measured.get("layer_overhead_s", 0.0)) / 1e12
+        rate_from = (f"a {RATE_BLOCK['n_embd']}-wide block's forward + backward ({RATE_BATCH} x {RATE_BLOCK['block_size']} tokens, "
+                     f"the planner's FLOP count) less its dispatch; square GEMMs reach {max(measured['gemm_tflops'].values()):.4g}")
     reduce = measured["all_reduce"]
     largest, smallest = max(reduce, key=int), min(reduce, key=int)
     ram_gb = measured.get("ram_gb", 0.0)
-    latency_s = reduce[smallest]["seconds"]
+    latency_s = max(reduce[smallest]["seconds"], measured.get("loaded_latency_s", 0.0))
     layer_s = measured.get("layer_overhead_s", 0.0)
     # the minimal step less what the model charges it anyway: its one layer's dispatch and its gradient all-reduce
     loop_s = max(0.0, measured.get("step_s", 0.0) - layer_s - latency_s) if "step_s" in measured else 0.0
@@ -181,12 +237,13 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     comments = [
         f"Written by `lightning-3d profile` on {measured.get('date', '?')} ({measured.get('host', '?')}): {ranks} CPU processes over",
         "gloo, one thread each, measuring at once (docs/planner.md, \"Profiling a machine\").",
-        f"device.peak_tflops: the best square fp32 GEMM of sizes {sorted(int(n) for n in measured['gemm_tflops'])} per process;",
-        "gemm_efficiency 1.0, since the figure is what GEMMs reach.",
+        f"device.peak_tflops: {rate_from};",
+        "gemm_efficiency 1.0, since the figure is what the arithmetic reaches.",
         f"device.memory_bandwidth_gb_per_s: a {measured.get('copy_mb', '?')} MB copy (read + write) per process, / {HBM_EFFICIENCY}.",
         f"intra_node_gb_per_s: all-reduce bus bandwidth of {int(largest) // MB} MB over {ranks} processes, / {LINK_EFFICIENCY}.",
         "(the planner derates bandwidths by those factors: it then charges the measured ones); the slowest rank's figures.",
-        f"collective_latency_us: a {int(smallest)}-byte all-reduce over {ranks} processes (in place of NCCL's latency tables).",
+        f"collective_latency_us: a small all-reduce over {ranks} processes between pieces of compute (its start-up and the",
+        f"ranks lining up), or idle ({int(smallest)} bytes) if larger; in place of NCCL's latency tables.",
         "device.layer_overhead_us: forward + backward of a 16-wide, 8-token transformer block (operator dispatch, autograd).",
         "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
         "less that layer and one all-reduce: the training loop's own time (no logger, progress bar or checkpoints).",
