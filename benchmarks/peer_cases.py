@@ -67,10 +67,14 @@ def compare(
         return not_run(case)
     common = ["--model", json.dumps(dims), "--steps", str(steps), "--global-batch", str(global_batch)]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {label: {"ours": [], "peer": []} for label in pairs}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for label, (spec, world, script, args) in pairs.items():
-            runs[label]["ours"].append(run_ours(spec, world, steps, global_batch, dims))
-            runs[label]["peer"].append(run_peer(script, [*args, *common, "--world", str(world)]))
+            sides = {
+                "ours": lambda: run_ours(spec, world, steps, global_batch, dims),
+                "peer": lambda: run_peer(script, [*args, *common, "--world", str(world)]),
+            }
+            for side in (("ours", "peer") if repeat % 2 == 0 else ("peer", "ours")):  # who goes first alternates too
+                runs[label][side].append(sides[side]())
     out: dict[str, Any] = {"case": case, "model": dims, "global_batch": global_batch, "steps": steps, "repeats": repeats}
     for label, sides in runs.items():
         summary = {
@@ -81,7 +85,9 @@ def compare(
             }
             for side, rs in sides.items()
         }
-        diffs = [abs(a - b) for a, b in zip(sides["ours"][0]["losses"], sides["peer"][0]["losses"])]
+        ours_losses, peer_losses = sides["ours"][0]["losses"], sides["peer"][0]["losses"]
+        assert len(ours_losses) == len(peer_losses), f"{label}: {len(ours_losses)} losses against {len(peer_losses)}"
+        diffs = [abs(a - b) for a, b in zip(ours_losses, peer_losses)]
         out[label] = {
             **summary,
             "tokens_per_s_ratio": round(summary["ours"]["tokens_per_s"] / summary["peer"]["tokens_per_s"], 3),

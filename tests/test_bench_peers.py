@@ -26,6 +26,7 @@ TORCHTITAN_KEYS = {
 
 @pytest.fixture(scope="module")
 def bench():
+    saved = list(sys.path)
     sys.path[:0] = [str(BENCH), str(BENCH / "peers")]  # the cases import their helpers when called
     try:
         import cases
@@ -33,7 +34,7 @@ def bench():
 
         yield cases, torchtitan_run
     finally:
-        sys.path[:2] = []
+        sys.path[:] = saved
 
 
 def test_peer_cases_report_why_they_did_not_run(bench, monkeypatch):

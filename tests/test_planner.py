@@ -619,7 +619,7 @@ RECORDED_PROFILE = {  # this machine, 2026-12-02 (2 processes at once)
     "gemm_tflops": {"256": 0.0717, "512": 0.0860, "1024": 0.0955}, "copy_gb_per_s": 34.74,
     "all_reduce": {"4096": {"seconds": 4.3e-4, "bus_gb_per_s": 0.0095}, "16777216": {"seconds": 0.0103, "bus_gb_per_s": 1.62}},
     "date": "2026-12-02", "host": "vm", "copy_mb": 256, "ram_gb": 24.7,
-    "layer_overhead_s": 1.2e-3, "step_s": 9.63e-3,
+    "layer_overhead_s": 1.2e-3, "step_s": 9.63e-3, "block": {"seconds": 0.0250, "flops": 1409286144.0},
 }
 
 
@@ -632,7 +632,12 @@ def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) ->
     path = write_cluster(config, comments, tmp_path)
     assert path == tmp_path / "cluster" / "recorded.yaml" and path.read_text().startswith("# Written by `lightning-3d profile`")
     cluster = load_cluster(compose(f"hydra.searchpath=[file://{tmp_path}]", "cluster=recorded").cluster)
-    assert (cluster.device.peak_tflops, cluster.device.gemm_efficiency) == (0.0955, 1.0)
+    # the rate: the block's FLOPs over its time less its dispatch and its element-wise bytes at the copy rate
+    elementwise = 3 * 1024 * 128 * (20 + 4 * 4) / 34.74e9
+    assert cluster.device.gemm_efficiency == 1.0
+    assert cluster.device.peak_tflops == pytest.approx(1409286144.0 / (0.0250 - 1.2e-3 - elementwise) / 1e12, rel=1e-3)
+    without_block = cluster_from({k: v for k, v in RECORDED_PROFILE.items() if k != "block"}, "old", devices_per_node=2, ranks=2)[0]
+    assert without_block["device"]["peak_tflops"] == 0.0955  # an older profile: the best square GEMM
     # bandwidths written / the planner's efficiency factors, which it applies again: it charges what was measured
     assert (cluster.intra_node_gb_per_s, cluster.device.memory_bandwidth_gb_per_s, cluster.world_size) == (2.025, 43.42, 2)
     # the host terms: the small all-reduce's latency, the tiny block's dispatch, the minimal step less both

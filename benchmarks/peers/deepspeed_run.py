@@ -2,9 +2,11 @@
 
     .venv-peers/bin/python benchmarks/peers/deepspeed_run.py --stage 2 [--offload] --steps 30
 
-DeepSpeed runs on its CPU accelerator over gloo (it JIT-builds its shared-memory collectives and,
-for ``--offload``, ``cpu_adam``). fp32, no gradient clipping, the client AdamW (DeepSpeed's
-``DeepSpeedCPUAdam`` in AdamW mode with ``--offload``, as ZeRO-Offload requires), our schedule.
+DeepSpeed runs on its CPU accelerator; its training collectives go through torch's gloo group, as
+ours do (it JIT-builds a shared-memory op it uses only for inference, and ``cpu_adam`` for
+``--offload``). fp32, no gradient clipping, the client AdamW (DeepSpeed's ``DeepSpeedCPUAdam`` in
+AdamW mode with ``--offload``, as ZeRO-Offload requires), our schedule. ZeRO-3 shards every
+parameter (``stage3_param_persistence_threshold: 0``), as ours does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def train(model_dims: dict, stage: int, offload: bool, steps: int, global_batch:
         first = optimizer.defaults
         optimizer = DeepSpeedCPUAdam(optimizer.param_groups, lr=first["lr"], betas=first["betas"], adamw_mode=True)
     zero: dict = {"stage": stage}
+    if stage == 3:  # DeepSpeed keeps tensors under 100k elements whole by default: every one of this model's
+        zero["stage3_param_persistence_threshold"] = 0  # shard them all, as our ZeRO-3 (FSDP2) does
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     world = dist.get_world_size()

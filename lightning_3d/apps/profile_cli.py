@@ -137,8 +137,10 @@ def layer_overhead_seconds(best: Any, calls: int = 40) -> float:
 
 def minimal_step_seconds(steps: int = 25, warmup: int = 5) -> float:
     """The median optimizer step of a Trainer with our strategy over every rank (data parallel) on a
-    one-layer GPT too small to compute: the training loop's own time per step, plus one layer and the
-    gradient all-reduce, which :func:`cluster_from` subtracts."""
+    one-layer GPT too small to compute, with GPTModule's own callbacks: the training loop's own time
+    per step, plus one layer and the gradient all-reduce, which :func:`cluster_from` subtracts. The
+    loop's collectives (the loss logged with ``sync_dist``, the finite-gradient vote) are in it, so
+    a one-rank layout is charged them too."""
     import statistics
 
     import lightning as L
@@ -162,7 +164,7 @@ def minimal_step_seconds(steps: int = 25, warmup: int = 5) -> float:
         enable_model_summary=False, callbacks=[StepEnds()],
     )
     model = GPTModule(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16), warmup_steps=2)
-    model.configure_callbacks = lambda: []  # no throughput callback: the loop alone
+    # (GPTModule's own callbacks stay: its TokenThroughput is part of every run's loop)
     trainer.fit(model, TextDataModule(block_size=8, global_batch_size=world, max_bytes=2**16))
     return statistics.median(b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
 
@@ -192,18 +194,24 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     when a figure cannot make a valid cluster (the schema's own check)."""
     from lightning_3d.planner.collective_cost import LINK_EFFICIENCY
     from lightning_3d.planner.hardware import load_cluster
-    from lightning_3d.planner.timing import HBM_EFFICIENCY
+    from lightning_3d.planner.timing import BACKWARD_FACTOR, FFN_BYTES, HBM_EFFICIENCY, HIDDEN_BYTES
 
     if devices_per_node < 1:
         raise ValueError(f"--devices-per-node={devices_per_node} must be at least 1.")
     gemm = max(measured["gemm_tflops"].values())
     rate_from = f"the best square fp32 GEMM of sizes {sorted(int(n) for n in measured['gemm_tflops'])} per process"
     block = measured.get("block")
-    if block and block["seconds"] > measured.get("layer_overhead_s", 0.0):
-        # what a transformer block's arithmetic reaches once its dispatch (charged per layer) is taken out
-        gemm = block["flops"] / (block["seconds"] - measured.get("layer_overhead_s", 0.0)) / 1e12
+    if block:
+        # what a transformer block's arithmetic reaches once what the planner charges it apart is taken
+        # out: its dispatch (per layer) and its element-wise bytes at the measured copy rate (flash attention)
+        tokens, width = RATE_BATCH * RATE_BLOCK["block_size"], RATE_BLOCK["n_embd"]
+        elementwise = (1 + BACKWARD_FACTOR) * tokens * width * (HIDDEN_BYTES + 4 * FFN_BYTES[False]) / (measured["copy_gb_per_s"] * 1e9)
+        arithmetic = block["seconds"] - measured.get("layer_overhead_s", 0.0) - elementwise
+        if arithmetic <= 0:
+            raise ValueError(f"the rate block took {block['seconds']:.4g} s, no more than its dispatch and element-wise time: re-run the profile.")
+        gemm = block["flops"] / arithmetic / 1e12
         rate_from = (f"a {RATE_BLOCK['n_embd']}-wide block's forward + backward ({RATE_BATCH} x {RATE_BLOCK['block_size']} tokens, "
-                     f"the planner's FLOP count) less its dispatch; square GEMMs reach {max(measured['gemm_tflops'].values()):.4g}")
+                     f"the planner's FLOP count) less its dispatch and element-wise bytes; square GEMMs reach {max(measured['gemm_tflops'].values()):.4g}")
     reduce = measured["all_reduce"]
     largest, smallest = max(reduce, key=int), min(reduce, key=int)
     ram_gb = measured.get("ram_gb", 0.0)
@@ -246,7 +254,7 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         f"ranks lining up), or idle ({int(smallest)} bytes) if larger; in place of NCCL's latency tables.",
         "device.layer_overhead_us: forward + backward of a 16-wide, 8-token transformer block (operator dispatch, autograd).",
         "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
-        "less that layer and one all-reduce: the training loop's own time (no logger, progress bar or checkpoints).",
+        "less that layer and one all-reduce: the training loop's own time (its callbacks; no logger, bar or checkpoints).",
     ]
     return config, comments
 
