@@ -146,7 +146,7 @@ def minimal_step_seconds(steps: int = 25, warmup: int = 5) -> float:
     import lightning as L
     import torch.distributed as dist
 
-    from lightning_3d import ThreeDParallelStrategy
+    from lightning_3d.plugins.strategy import ThreeDParallelStrategy
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import GPTConfig, GPTModule
 
