@@ -121,8 +121,8 @@ def search_speed(repeats: int = 3) -> dict[str, Any]:
     return out
 
 
-# Layouts of gpt_tiny (global batch 16) this machine runs on 1 or 2 CPU processes. Outside a
-# pipeline the strategy runs one micro-batch per replica, so mb is the global batch over dp.
+# Layouts of gpt_tiny (global batch 16) this machine runs on 1 or 2 CPU processes (outside a pipeline,
+# micro-batches below the global batch over dp are accumulated).
 MEASURED_LAYOUTS = (
     "dp=1,tp=1,pp=1,mb=16", "dp=1,tp=1,pp=1,mb=16,recompute=full",
     "dp=2,tp=1,pp=1,mb=8,zero=0", "dp=2,tp=1,pp=1,mb=8,zero=1", "dp=2,tp=1,pp=1,mb=8,zero=2", "dp=2,tp=1,pp=1,mb=8,zero=3",
@@ -158,16 +158,16 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
 
 def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = MEASURED_LAYOUTS) -> dict[str, Any]:
     """``lightning-3d profile`` on this machine, then for every layout the planner's step time and model
-    state next to the measured ones (our Trainer, alternating over the layouts ``repeats`` times, median),
-    the errors and the rank correlation (issue 37's table)."""
+    state next to the measured ones (``plan --measure``'s runner, alternating over the layouts
+    ``repeats`` times, median), the errors and the rank correlation (issue 37's table)."""
     import json
     import tempfile
 
-    from cases import fit_throughput
+    from omegaconf import OmegaConf
 
+    from lightning_3d.apps.measure import measure
     from lightning_3d.apps.plan_cli import parse_layout
     from lightning_3d.planner import problem_from_config
-    from lightning_3d.testing.harness import run_on_ranks
 
     with tempfile.TemporaryDirectory(prefix="l3d_profile_") as out:
         done = subprocess.run(
@@ -177,30 +177,29 @@ def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = M
         measured_machine = json.loads(done.stdout.strip().splitlines()[-1])["measured"]
         cfg = compose_config([f"hydra.searchpath=[file://{out}]", "cluster=bench_here", "model=gpt_tiny",
                               "data.global_batch_size=16", "trainer.precision=32-true"])
-        estimates = []
+        recipe = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(recipe, dict)
+        recipe.pop("hydra", None)
+        planned = []
         for text in layouts:
             layout = parse_layout(text)
-            world = layout["dp"] * layout["tp"] * layout["pp"]
-            problem = problem_from_config(cfg, nodes=None)
-            planner = Planner(problem if world == problem.cluster.world_size else _with_world(problem, world))
-            estimates.append((text, world, best_completion(planner, layout)))
+            problem = problem_from_config(cfg)
+            problem = _with_world(problem, layout["dp"] * layout["tp"] * layout["pp"])
+            planned.append((text, problem, best_completion(Planner(problem), layout)))
     runs: dict[str, list[dict[str, Any]]] = {text: [] for text in layouts}
     for _ in range(repeats):
-        for text, world, estimate in estimates:
-            kwargs = estimate.layout.strategy_kwargs(16, estimate.split_points)
-            per_rank = run_on_ranks(fit_throughput, world, kwargs, steps, 16, timeout=900)
-            # rank 0's time (as every case), the heaviest rank's state (the planner reports its heaviest stage)
-            runs[text].append({**per_rank[0], "model_state_mb": max(r["model_state_mb"] for r in per_rank)})
+        for text, problem, estimate in planned:
+            runs[text] += measure(problem, [estimate], recipe, steps)
     rows = []
-    for text, world, estimate in estimates:
-        step = statistics.median(r["step_time_s"] for r in runs[text])
-        state = statistics.median(r["model_state_mb"] for r in runs[text])
-        predicted_state = sum(estimate.memory.get(k, 0.0) for k in ("params", "grads", "optimizer")) / 2**20
-        comparable = estimate.layout.offload == "none"  # the planner counts device memory; the report counts host state too
+    for text, _, estimate in planned:
+        step = statistics.median(r["measured_step_s"] for r in runs[text])
+        state = runs[text][0]["measured_state_mb"]
+        predicted_state = runs[text][0]["predicted_state_mb"]
         rows.append({
-            "layout": text, "ranks": world, "predicted_step_s": round(estimate.step_seconds, 4), "measured_step_s": round(step, 4),
-            "step_error": round(estimate.step_seconds / step - 1, 3), "predicted_state_mb": round(predicted_state, 2),
-            "measured_state_mb": round(state, 2), "state_error": round(predicted_state / state - 1, 3) if state and comparable else None,
+            "layout": text, "ranks": estimate.layout.world, "predicted_step_s": round(estimate.step_seconds, 4),
+            "measured_step_s": round(step, 4), "step_error": round(estimate.step_seconds / step - 1, 3),
+            "predicted_state_mb": round(predicted_state, 2), "measured_state_mb": None if state is None else round(state, 2),
+            "state_error": round(predicted_state / state - 1, 3) if state else None,
             "predicted_time_s": {k: round(v, 4) for k, v in estimate.time.items() if v},
         })
     errors = [abs(r["step_error"]) for r in rows]
@@ -218,4 +217,4 @@ def _with_world(problem: Any, world: int) -> Any:
     """The same problem on a cluster of ``world`` processes (1 or 2 on this machine)."""
     from dataclasses import replace
 
-    return replace(problem, cluster=replace(problem.cluster, devices_per_node=world))
+    return problem if world == problem.cluster.world_size else replace(problem, cluster=replace(problem.cluster, devices_per_node=world))

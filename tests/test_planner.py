@@ -667,6 +667,22 @@ def test_the_host_terms_add_what_they_say_to_a_step() -> None:
     assert collective_cost("all_gather", 1e6, group).latency == pytest.approx(200e-6)
 
 
+def test_plan_measure_runs_the_top_layouts_here(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --measure K``: the top K fitting layouts run on CPU processes (one accumulates its
+    micro-batches), each row with a measured step and model state, the state equal to the prediction;
+    a GPU cluster is refused before anything runs."""
+    from lightning_3d.apps.cli import main
+
+    tiny = ["model=gpt_tiny", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.global_batch_size=4", "trainer.precision=32-true"]
+    assert main(["plan", *tiny, "cluster=local_cpu", "cluster.devices_per_node=2", "--format", "json", "--measure", "2", "--measure-steps", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["measured"]) == 2 and any(p["micro_batches"] > 1 and p["layout"]["pp"] == 1 for p in report["plan"][:2])
+    for row in report["measured"]:
+        assert row["measured_step_s"] > 0 and row["measured_state_mb"] == pytest.approx(row["predicted_state_mb"], rel=0.01)
+    assert main(["plan", *tiny, "cluster=h100_80g_1node", "--measure", "1"]) == 2
+    assert "--measure runs the layouts here, on CPU processes" in capsys.readouterr().err
+
+
 def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_3d.apps.cli import main
 

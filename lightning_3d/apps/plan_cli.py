@@ -132,7 +132,14 @@ def plan_main(argv: list[str]) -> int:
         help="MoE: routed rows on the busiest rank of an expert group / the mean (default 1: balanced)",
     )
     parser.add_argument("--config-dir", default=None, help="a Hydra config directory with config.yaml (default: the one shipped in lightning_3d/conf)")
+    parser.add_argument(
+        "--measure", type=int, default=0, metavar="K",
+        help="run the top K fitting layouts here for a few steps (CPU processes over gloo) and print measured next to predicted",
+    )
+    parser.add_argument("--measure-steps", type=int, default=10, help="timed optimizer steps per measured layout (default 10)")
     args = parser.parse_args(argv)
+    if args.measure < 0 or args.measure_steps < 2:
+        parser.error(f"--measure={args.measure} must be >= 0 and --measure-steps={args.measure_steps} >= 2.")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         parser.error(f"{bad}: positional arguments are Hydra overrides such as model=bloom_176b or cluster=jean_zay_bloom.")
@@ -167,8 +174,28 @@ def plan_main(argv: list[str]) -> int:
     else:
         result = plan(problem, all_layouts=args.all)
     rows = result.ranked[: max(1, args.top)] if not args.layout else result.ranked
+    measured = _measure(problem, [e for e in rows if e.fits][: args.measure], cfg, args.measure_steps) if args.measure else None
     if args.format == "json":
-        print(json.dumps([dict(rank=i, **e.to_dict(problem.global_batch)) for i, e in enumerate(rows, 1)], indent=1))
+        out: Any = [dict(rank=i, **e.to_dict(problem.global_batch)) for i, e in enumerate(rows, 1)]
+        print(json.dumps({"plan": out, "measured": measured} if measured is not None else out, indent=1))
     else:
         print(format_table(problem, rows, result.searched, result.seconds))
+        if measured is not None:
+            from lightning_3d.apps.measure import format_measured
+
+            print(f"\nmeasured here ({args.measure_steps} steps each, after warm-up):")
+            print(format_measured(measured))
     return 0 if rows else 1
+
+
+def _measure(problem: Any, estimates: list[Estimate], cfg: Any, steps: int) -> list[dict[str, Any]]:
+    """``--measure``: the layouts run here (lightning_3d.apps.measure); torch and Lightning load only now."""
+    from omegaconf import OmegaConf
+
+    from lightning_3d.apps.measure import check_measurable, measure
+
+    recipe = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(recipe, dict)
+    recipe.pop("hydra", None)
+    check_measurable(problem, estimates, recipe)
+    return measure(problem, estimates, recipe, steps)
