@@ -7,7 +7,8 @@ Llama-style GPT's initial weights, trained on our data with our AdamW recipe.
 torchtitan's trainer needs Hugging Face assets and a CUDA-only attention; on CPU this runs its model
 and parallelization in a plain loop: SDPA (causal) in place of FlexAttention, cos/sin RoPE (the
 rotate-half layout our GPT and Hugging Face use), fp32 parameters and reductions, the
-``partial_dtensor`` backend (DTensor TP + FSDP2), loss parallel when TP shards the vocabulary.
+``partial_dtensor`` backend (DTensor TP + FSDP2), loss parallel when TP shards the vocabulary, and
+torchtitan's default optimizer implementation (torch's fused AdamW).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def train(model_dims: dict, tp: int, sp: bool, steps: int, global_batch: int) ->
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
     optimizer, schedule = bench_optimizer(model, WARMUP + steps)
+    for group in optimizer.param_groups:  # torchtitan's default optimizer implementation is torch's fused AdamW
+        group["fused"] = True
     scheduler = schedule(optimizer)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
