@@ -52,8 +52,6 @@ def _strategy(spec: Any) -> tuple[Any, type[GPTModule]]:
     from lightning_3d import ThreeDParallelStrategy
 
     if isinstance(spec, dict):  # ThreeDParallelStrategy keywords (a planned layout's strategy_kwargs)
-        from lightning_3d import ThreeDParallelStrategy
-
         return ThreeDParallelStrategy(**spec), GPTModule
     name, _, args = spec.partition(":")
     kwargs: dict[str, Any] = {k: (int(v) if v.isdigit() else v) for k, v in (item.split("=") for item in args.split(",") if item)}

@@ -8,6 +8,7 @@ the peers' environment a case reports that it did not run and why.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -48,13 +49,19 @@ def run_ours(spec: str, world: int, steps: int, global_batch: int, dims: dict[st
     """Our Trainer run, summarized like a peer's (rank 0's timing, largest RSS, losses over replicas)."""
     from cases import fit_throughput
 
-    per_rank = run_on_ranks(fit_throughput, world, spec, steps, global_batch, model_dims=dims, timeout=900)
-    return {
-        "tokens_per_s": per_rank[0]["tokens_per_s"],
-        "step_time_s": per_rank[0]["step_time_s"],
-        "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
-        "losses": [statistics.fmean(step) for step in zip(*(r["losses"] for r in per_rank))],
-    }
+    return _peer_common().summarize(run_on_ranks(fit_throughput, world, spec, steps, global_batch, model_dims=dims, timeout=900))
+
+
+@functools.lru_cache(maxsize=1)
+def _peer_common() -> Any:
+    """``benchmarks/peers/common.py``, the peer scripts' shared module, loaded once under its own name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peer_common", PEERS_DIR / "common.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def compare(

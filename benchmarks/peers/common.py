@@ -8,6 +8,7 @@ not a copy. Each peer script calls :func:`run_and_print`, which prints one JSON 
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import statistics
@@ -64,6 +65,30 @@ def timed_loop(step: Callable[[torch.Tensor, torch.Tensor], float], batches: Ite
         "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "losses": losses,
     }
+
+
+def plain_step(forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Any) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """A step of a plain torch loop: ``forward_backward`` (returns the loss after its backward), the
+    optimizer step, zeroed gradients, the schedule step; the loss as a float."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = forward_backward(x, y)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return loss.item()
+
+    return step
+
+
+def peer_parser(model_help: str = "GPTConfig fields as JSON") -> argparse.ArgumentParser:
+    """The arguments every peer script takes (``peer_cases.compare`` passes them)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=json.loads, required=True, help=model_help)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--world", type=int, default=2)
+    return parser
 
 
 def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

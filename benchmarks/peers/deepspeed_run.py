@@ -11,14 +11,13 @@ parameter (``stage3_param_persistence_threshold: 0``), as ours does.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import WARMUP, bench_optimizer, replica_batches, run_and_print, timed_loop  # noqa: E402
+from common import WARMUP, bench_optimizer, peer_parser, replica_batches, run_and_print, timed_loop  # noqa: E402
 
 
 def train(model_dims: dict, stage: int, offload: bool, steps: int, global_batch: int) -> dict:
@@ -64,14 +63,8 @@ def train(model_dims: dict, stage: int, offload: bool, steps: int, global_batch:
 
 
 if __name__ == "__main__":
-    import json
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=json.loads, required=True, help="GPTConfig fields as JSON")
+    parser = peer_parser()
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), required=True)
     parser.add_argument("--offload", action="store_true")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
     run_and_print(train, args.world, args.model, args.stage, args.offload, args.steps, args.global_batch)

@@ -10,13 +10,12 @@ loop does not.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import WARMUP, bench_optimizer, replica_batches, run_and_print, timed_loop  # noqa: E402
+from common import WARMUP, bench_optimizer, peer_parser, plain_step, replica_batches, run_and_print, timed_loop  # noqa: E402
 
 
 def train(model_dims: dict, steps: int, global_batch: int) -> dict:
@@ -29,27 +28,17 @@ def train(model_dims: dict, steps: int, global_batch: int) -> dict:
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT(GPTConfig(**model_dims)))
     optimizer, schedule = bench_optimizer(model, WARMUP + steps)
-    scheduler = schedule(optimizer)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = model(x, y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        return loss.item()
+        return loss
 
+    step = plain_step(forward_backward, optimizer, schedule(optimizer))
     block = model_dims["block_size"]
     return timed_loop(step, replica_batches(block, global_batch, dist.get_rank(), dist.get_world_size()), steps, global_batch, block)
 
 
 if __name__ == "__main__":
-    import json
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=json.loads, required=True, help="GPTConfig fields as JSON")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--world", type=int, default=2)
-    args = parser.parse_args()
+    args = peer_parser().parse_args()
     run_and_print(train, args.world, args.model, args.steps, args.global_batch)

@@ -13,7 +13,6 @@ torchtitan's default optimizer implementation (torch's fused AdamW).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import types
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import WARMUP, bench_optimizer, replica_batches, run_and_print, timed_loop  # noqa: E402
+from common import WARMUP, bench_optimizer, peer_parser, plain_step, replica_batches, run_and_print, timed_loop  # noqa: E402
 
 
 def our_keys_to_torchtitan(state: dict) -> dict:
@@ -114,36 +113,26 @@ def train(model_dims: dict, tp: int, sp: bool, steps: int, global_batch: int) ->
     optimizer, schedule = bench_optimizer(model, WARMUP + steps)
     for group in optimizer.param_groups:  # torchtitan's default optimizer implementation is torch's fused AdamW
         group["fused"] = True
-    scheduler = schedule(optimizer)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = model(x)
         if isinstance(logits, DTensor):
             with loss_parallel():
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                 loss.backward()
-            loss = loss.full_tensor()
-        else:
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        return loss.item()
+            return loss.full_tensor()
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss
 
+    step = plain_step(forward_backward, optimizer, schedule(optimizer))
     block = model_dims["block_size"]
     return timed_loop(step, replica_batches(block, global_batch, rank // tp, dp), steps, global_batch, block)
 
 
 if __name__ == "__main__":
-    import json
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=json.loads, required=True, help="GPTConfig fields as JSON (Llama-style)")
+    parser = peer_parser("GPTConfig fields as JSON (Llama-style)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="torchtitan's sequence parallel with TP")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
     run_and_print(train, args.world, args.model, args.tp, args.sp, args.steps, args.global_batch)

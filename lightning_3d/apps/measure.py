@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_3d.planner.search import Estimate, Problem
@@ -19,12 +20,37 @@ from lightning_3d.planner.search import Estimate, Problem
 WARMUP_STEPS = 3
 
 
+def timed_fit(
+    strategy: Any, model: Any, data: Any, steps: int, warmup: int, accumulate: int = 1, callbacks: Sequence[Any] = ()
+) -> float:
+    """Fit ``model`` on ``data`` under ``strategy`` on this world's CPU ranks for ``warmup + steps``
+    optimizer steps (no validation, logger, checkpoints, bar or summary; the module's own callbacks
+    and ``callbacks`` stay): the median of the ``steps`` after the warm-up. Runs on every rank."""
+    import lightning as L
+    import torch.distributed as dist
+
+    ends: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (batch_idx + 1) % accumulate == 0:  # the last micro-batch of an optimizer step
+                ends.append(time.perf_counter())
+
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), max_steps=warmup + steps,
+        accumulate_grad_batches=accumulate, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock(), *callbacks],
+    )
+    L.seed_everything(0, verbose=False)
+    trainer.fit(model, data)
+    return statistics.median(b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:]))
+
+
 def measure_layout(strategy_kwargs: dict[str, Any], recipe: dict[str, Any], micro_batches: int, steps: int) -> dict[str, float]:
     """Runs on every rank: the recipe's model, optimizer and data (``recipe``: the composed config as a
     plain dict) under ``strategy_kwargs``; the median optimizer step of ``steps`` after
     ``WARMUP_STEPS``, and the model state this rank holds (parameters, gradients, optimizer state)."""
     import lightning as L
-    import torch.distributed as dist
     from omegaconf import OmegaConf
 
     from lightning_3d.apps.recipe import build_data, build_model
@@ -33,25 +59,16 @@ def measure_layout(strategy_kwargs: dict[str, Any], recipe: dict[str, Any], micr
     accumulate = 1 if strategy_kwargs.get("pipeline_parallel", 1) > 1 else micro_batches
     cfg = OmegaConf.create(recipe)
     cfg.data.global_batch_size = int(cfg.data.global_batch_size) // accumulate  # per loader batch
-    ends: list[float] = []
     state = {"mb": float("nan")}
 
-    class Clock(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if (batch_idx + 1) % accumulate == 0:  # the last micro-batch of an optimizer step
-                ends.append(time.perf_counter())
-
+    class StateAtEnd(L.Callback):  # before teardown releases anything
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             state["mb"] = trainer.strategy.memory_report()["total"] / 2**20
 
-    trainer = L.Trainer(
-        strategy=ThreeDParallelStrategy(**strategy_kwargs), accelerator="cpu", devices=dist.get_world_size(),
-        max_steps=WARMUP_STEPS + steps, accumulate_grad_batches=accumulate, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()],
+    step_s = timed_fit(
+        ThreeDParallelStrategy(**strategy_kwargs), build_model(cfg), build_data(cfg), steps, WARMUP_STEPS, accumulate, [StateAtEnd()]
     )
-    L.seed_everything(0, verbose=False)
-    trainer.fit(build_model(cfg), build_data(cfg))
-    return {"step_s": statistics.median(b - a for a, b in zip(ends[WARMUP_STEPS - 1 :], ends[WARMUP_STEPS:])), "model_state_mb": state["mb"]}
+    return {"step_s": step_s, "model_state_mb": state["mb"]}
 
 
 def measure(problem: Problem, estimates: list[Estimate], recipe: dict[str, Any], steps: int) -> list[dict[str, Any]]:

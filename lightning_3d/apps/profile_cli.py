@@ -141,32 +141,17 @@ def minimal_step_seconds(steps: int = 25, warmup: int = 5) -> float:
     per step, plus one layer and the gradient all-reduce, which :func:`cluster_from` subtracts. The
     loop's collectives (the loss logged with ``sync_dist``, the finite-gradient vote) are in it, so
     a one-rank layout is charged them too."""
-    import statistics
-
-    import lightning as L
     import torch.distributed as dist
 
-    from lightning_3d.plugins.strategy import ThreeDParallelStrategy
+    from lightning_3d.apps.measure import timed_fit
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import GPTConfig, GPTModule
-
-    ends: list[float] = []
-
-    class StepEnds(L.Callback):
-        def on_train_batch_end(self, *args: Any) -> None:
-            ends.append(time.perf_counter())
+    from lightning_3d.plugins.strategy import ThreeDParallelStrategy
 
     world = dist.get_world_size()
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        strategy=ThreeDParallelStrategy(data_parallel=world), accelerator="cpu", devices=world, max_steps=steps + warmup,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[StepEnds()],
-    )
     model = GPTModule(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16), warmup_steps=2)
-    # (GPTModule's own callbacks stay: its TokenThroughput is part of every run's loop)
-    trainer.fit(model, TextDataModule(block_size=8, global_batch_size=world, max_bytes=2**16))
-    return statistics.median(b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
+    data = TextDataModule(block_size=8, global_batch_size=world, max_bytes=2**16)
+    return timed_fit(ThreeDParallelStrategy(data_parallel=world), model, data, steps, warmup)
 
 
 def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -194,7 +179,9 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     when a figure cannot make a valid cluster (the schema's own check)."""
     from lightning_3d.planner.collective_cost import LINK_EFFICIENCY
     from lightning_3d.planner.hardware import load_cluster
-    from lightning_3d.planner.timing import BACKWARD_FACTOR, FFN_BYTES, HBM_EFFICIENCY, HIDDEN_BYTES
+    from lightning_3d.core.model_shape import ModelShape
+    from lightning_3d.planner.search import SOFTWARE
+    from lightning_3d.planner.timing import BACKWARD_FACTOR, HBM_EFFICIENCY, elementwise_forward_bytes
 
     if devices_per_node < 1:
         raise ValueError(f"--devices-per-node={devices_per_node} must be at least 1.")
@@ -204,8 +191,10 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     if block:
         # what a transformer block's arithmetic reaches once what the planner charges it apart is taken
         # out: its dispatch (per layer) and its element-wise bytes at the measured copy rate (flash attention)
-        tokens, width = RATE_BATCH * RATE_BLOCK["block_size"], RATE_BLOCK["n_embd"]
-        elementwise = (1 + BACKWARD_FACTOR) * tokens * width * (HIDDEN_BYTES + 4 * FFN_BYTES[False]) / (measured["copy_gb_per_s"] * 1e9)
+        shape = ModelShape.from_config(dict(RATE_BLOCK), seq_len=RATE_BLOCK["block_size"])
+        flash = SOFTWARE["lightning_3d"].flash_attention
+        forward_bytes, _ = elementwise_forward_bytes(shape, RATE_BATCH, tp=1, sequence_parallel=False, flash_attention=flash)
+        elementwise = (1 + BACKWARD_FACTOR) * forward_bytes / (measured["copy_gb_per_s"] * 1e9)
         arithmetic = block["seconds"] - measured.get("layer_overhead_s", 0.0) - elementwise
         if arithmetic <= 0:
             raise ValueError(f"the rate block took {block['seconds']:.4g} s, no more than its dispatch and element-wise time: re-run the profile.")

@@ -66,6 +66,25 @@ def p2p_seconds(nbytes: float, gb_per_s: float, latency_us: float = 0.0) -> floa
     return nbytes / (gb_per_s * 1e9 * LINK_EFFICIENCY) + latency_us / 2 * 1e-6
 
 
+def elementwise_forward_bytes(
+    model: ModelShape, micro_batch: int, tp: int, sequence_parallel: bool, flash_attention: bool, cp: int = 1
+) -> tuple[float, float]:
+    """Bytes one layer's element-wise kernels move in forward for one micro-batch on one device, and of
+    them the attention scores' (unfused attention only): what :func:`layer_cost` charges at HBM speed."""
+    tokens = micro_batch * model.seq_len / cp
+    hidden = tokens * model.hidden * (HIDDEN_BYTES + (HIDDEN_DROPOUT_BYTES if model.dropout else 0.0))
+    hidden /= tp if sequence_parallel else 1  # outside the tp region, replicated unless split by SP
+    ffn = tokens * model.ffn / tp * FFN_BYTES[model.gated_mlp]
+    if model.n_experts:  # MoE blocks: their routed rows' and shared experts' SwiGLUs in place of the MLP
+        dense = (1 - model.moe_share) * model.ffn
+        ffn = tokens / tp * (dense * FFN_BYTES[model.gated_mlp] + (model.layer_ffn_width - dense) * FFN_BYTES[True])
+    scores = 0.0
+    if not flash_attention:
+        per_score = SCORE_BYTES + (SCORE_DROPOUT_BYTES if model.dropout else 0.0)
+        scores = micro_batch * model.n_head / tp * model.seq_len**2 / cp * per_score
+    return hidden + ffn + scores, scores
+
+
 def layer_cost(
     model: ModelShape,
     cluster: ClusterSpec,
@@ -87,17 +106,8 @@ def layer_cost(
     hbm_rate = device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY
     gemm_fwd = tokens * model.layer_forward_flops_per_token() / tp / gemm_rate
 
-    hidden = tokens * model.hidden * (HIDDEN_BYTES + (HIDDEN_DROPOUT_BYTES if model.dropout else 0.0))
-    hidden /= tp if sequence_parallel else 1  # outside the tp region, replicated unless split by SP
-    ffn = tokens * model.ffn / tp * FFN_BYTES[model.gated_mlp]
-    if model.n_experts:  # MoE blocks: their routed rows' and shared experts' SwiGLUs in place of the MLP
-        dense = (1 - model.moe_share) * model.ffn
-        ffn = tokens / tp * (dense * FFN_BYTES[model.gated_mlp] + (model.layer_ffn_width - dense) * FFN_BYTES[True])
-    scores = 0.0
-    if not flash_attention:
-        per_score = SCORE_BYTES + (SCORE_DROPOUT_BYTES if model.dropout else 0.0)
-        scores = micro_batch * model.n_head / tp * model.seq_len**2 / cp * per_score
-    elem_fwd = (hidden + ffn + scores) / hbm_rate
+    elementwise, scores = elementwise_forward_bytes(model, micro_batch, tp, sequence_parallel, flash_attention, cp)
+    elem_fwd = elementwise / hbm_rate
 
     # Host dispatch (a profiled CPU process): a third in forward, two thirds in backward, once more with full recompute.
     overhead = device.layer_overhead_us * 1e-6
