@@ -41,6 +41,11 @@ def hf_family_config(kind: str) -> Any:
         # mixture-of-experts families (issue 34): transformers' own MoE code, trained at data parallelism and ZeRO
         "mixtral": lambda: t.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        # transformers' router loss in the model's loss (from the batch's statistics; weighted up so that it shows)
+        "qwen3_moe_router_loss": lambda: t.Qwen3MoeConfig(
+            **GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True,
+            router_aux_loss_coef=0.5,
+        ),
         "olmoe": lambda: t.OlmoeConfig(**GQA, num_experts=4, num_experts_per_tok=2),
         "deepseek_v3": lambda: t.DeepseekV3Config(
             **GQA, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_3d.core.param_meta import update_meta
-from lightning_3d.moe.experts import GroupedExperts
+from lightning_3d.moe.experts import ExpertStack, GroupedExperts
 from lightning_3d.tensor_parallel.spec import TPSpec, mark_sequence_parallel
 
 
@@ -73,7 +73,7 @@ def split_sizes(rows: Tensor, send: Tensor, receive: Tensor) -> tuple[list[int],
     return sizes[0], sizes[1]
 
 
-def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, group: Any) -> Tensor:
+def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: ExpertStack, group: Any) -> Tensor:
     """``rows``: this rank's routed rows sorted by global expert (``counts`` of them per expert, a
     device tensor). Runs every row through its expert wherever that expert lives and returns the
     results in ``rows``' order."""
@@ -96,7 +96,7 @@ def dispatch_to_experts(rows: Tensor, counts: Tensor, experts: GroupedExperts, g
     return _AllToAll.apply(back, receive, send, group)
 
 
-def _keep_slice(param: nn.Parameter, dim: int, group: Any, ranks: str, size: str, replica_mesh: Any = None) -> None:
+def keep_slice(param: nn.Parameter, dim: int, group: Any, ranks: str, size: str, replica_mesh: Any = None) -> None:
     """Keep this rank's contiguous slice of ``param`` along ``dim`` (its rank in ``group``), in place:
     the Parameter object stays (a pipeline runtime built earlier holds it). Its spec records how the
     slice relates to the whole tensor; ``replica_mesh``: the ranks holding the same slice."""
@@ -112,15 +112,15 @@ def shard_experts(experts: GroupedExperts, group: Any, replica_mesh: Any = None)
     """Keep this rank's ``E / size(group)`` experts of ``experts`` (in place; contiguous blocks by
     rank). ``replica_mesh``: the ranks that hold the same slice (recorded on the parameters)."""
     for name in ("gate_proj", "up_proj", "down_proj"):
-        _keep_slice(getattr(experts, name), 0, group, "expert_parallel x tensor_parallel", "n_experts", replica_mesh)
+        keep_slice(getattr(experts, name), 0, group, "expert_parallel x tensor_parallel", "n_experts", replica_mesh)
     experts.n_experts //= dist.get_world_size(group)
 
 
-def _split_shared_experts(shared: nn.Module, tp: Any) -> None:
+def split_shared_experts(shared: nn.Module, tp: Any) -> None:
     """The shared experts' SwiGLU split as a column (gate, up) then row (down) parallel MLP, in place:
     each tp rank computes a share of their output, summed with the routed experts' shares."""
     for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-        _keep_slice(getattr(shared, name).weight, dim, tp, "tensor_parallel", "the shared experts' width")
+        keep_slice(getattr(shared, name).weight, dim, tp, "tensor_parallel", "the shared experts' width")
 
 
 def apply_expert_parallel(
@@ -156,5 +156,5 @@ def apply_expert_parallel(
             layer.sequence_parallel = sequence_parallel
             mark_sequence_parallel(layer.router.gate.weight, tp_group)  # (its gradient is partial on each tp rank)
             if layer.shared_experts is not None:
-                _split_shared_experts(layer.shared_experts, tp_group)
+                split_shared_experts(layer.shared_experts, tp_group)
     return count

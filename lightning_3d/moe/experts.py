@@ -9,7 +9,7 @@ the layout expert parallelism splits along dim 0 and tensor parallelism along th
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,16 @@ def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor, counts: Optional[list
     if counts is None:
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()  # a host read: the fallback only
     return torch.cat([rows @ w.to(x.dtype) for rows, w in zip(torch.split(x, counts), weight.unbind(0))], dim=0)
+
+
+class ExpertStack(Protocol):
+    """What dispatch needs of a rank's experts: how many it holds, and their rows' outputs (rows sorted
+    by expert, ``offsets``: where each expert's rows end). ``GroupedExperts`` is one; a Hugging Face
+    family's stacked experts are another (``models/adapters/hf_moe.py``)."""
+
+    n_experts: int
+
+    def __call__(self, x: Tensor, offsets: Tensor, counts: Optional[list[int]] = None) -> Tensor: ...
 
 
 class GroupedExperts(nn.Module):

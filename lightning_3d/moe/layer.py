@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_3d.moe.expert_parallel import dispatch_to_experts
-from lightning_3d.moe.experts import GroupedExperts, capacity
+from lightning_3d.moe.experts import ExpertStack, GroupedExperts, capacity
 from lightning_3d.moe.router import Routing, TopKRouter
 from lightning_3d.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
@@ -73,7 +73,7 @@ def _count(ids: Tensor, n: int) -> Tensor:
     return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
-def _sorted_rows(routing: Routing, n_experts: int, keep: Optional[int], sequences: int) -> tuple[Tensor, Tensor, Tensor]:
+def sorted_rows(routing: Routing, n_experts: int, keep: Optional[int] = None, sequences: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """(token of each routed row, its weight, rows per expert), rows grouped by expert in token order.
 
     With ``keep``, each expert takes at most ``keep`` rows of each of the ``sequences`` (equal-length
@@ -96,6 +96,40 @@ def _sorted_rows(routing: Routing, n_experts: int, keep: Optional[int], sequence
         order = kept[torch.argsort(experts[kept], stable=True)]
     counts = _count(experts[order], n_experts)
     return order // k, weights[order], counts
+
+
+def tensor_parallel_share(token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, local: int, tp: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows (sorted by expert) of the experts this tp rank's expert group holds, ``local`` of them
+    per rank. The experts are split over ``ep x tp`` ranks (ep-major: expert block ``b`` lives on
+    expert-group rank ``b // tp``, tp rank ``b % tp``); the other tp ranks take the rest. A
+    data-dependent selection: one host read."""
+    n_experts = counts.numel()
+    tp_size, tp_rank = dist.get_world_size(tp), dist.get_rank(tp)
+    owner = torch.arange(n_experts, device=counts.device) // local
+    mine = owner % tp_size == tp_rank
+    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=counts.device), counts, output_size=token_of_row.numel())
+    keep = mine[expert_of_row]
+    return token_of_row[keep], weight_of_row[keep], counts[mine]
+
+
+def run_experts(
+    tokens: Tensor, routing: Routing, n_experts: int, experts: ExpertStack, expert_group: Any = None, tp: Any = None,
+    keep: Optional[int] = None, sequences: int = 1,
+) -> Tensor:
+    """Every token's routed rows through their experts, weighted and summed per token (``(N, dim)``,
+    in the experts' dtype: autocast's, as a dense MLP's output would be).
+
+    ``experts`` holds this rank's ``experts.n_experts`` of the layer's ``n_experts``; ``expert_group``: the ranks the rows travel to (expert parallelism);
+    ``tp``: the tensor-parallel ranks that split the experts further (each computes its share of
+    every token's output); ``keep``: the capacity per expert and sequence."""
+    token_of_row, weight_of_row, counts = sorted_rows(routing, n_experts, keep, sequences)
+    if tp is not None:
+        token_of_row, weight_of_row, counts = tensor_parallel_share(token_of_row, weight_of_row, counts, experts.n_experts, tp)
+    if expert_group is None:
+        rows = experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
+    else:
+        rows = dispatch_to_experts(tokens[token_of_row], counts, experts, expert_group)
+    return _Combine.apply(rows * weight_of_row.to(rows.dtype)[:, None], token_of_row, tokens.shape[0])
 
 
 class MoE(nn.Module):
@@ -145,15 +179,7 @@ class MoE(nn.Module):
         keep = None
         if self.capacity_factor is not None:
             keep = capacity(tokens.shape[0] // sequences, self.router.top_k, self.n_experts, self.capacity_factor)
-        token_of_row, weight_of_row, counts = _sorted_rows(routing, self.n_experts, keep, sequences)
-        if tp is not None:
-            token_of_row, weight_of_row, counts = self._tensor_parallel_share(token_of_row, weight_of_row, counts, tp)
-        if self.expert_group is None:
-            rows = self.experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
-        else:
-            rows = dispatch_to_experts(tokens[token_of_row], counts, self.experts, self.expert_group)
-        # in the experts' dtype (autocast's, as a dense MLP's output would be)
-        out = _Combine.apply(rows * weight_of_row.to(rows.dtype)[:, None], token_of_row, tokens.shape[0])
+        out = run_experts(tokens, routing, self.n_experts, self.experts, self.expert_group, tp, keep, sequences)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(shape)
@@ -168,20 +194,6 @@ class MoE(nn.Module):
         if tp is not None:  # the tp ranks' shares: routed rows of their experts, their slice of the shared experts
             out = reduce_scatter_to_sequence_parallel(out, tp) if self.sequence_parallel else reduce_from_tensor_parallel(out, tp)
         return out
-
-    def _tensor_parallel_share(self, token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, tp: Any) -> tuple[Tensor, Tensor, Tensor]:
-        """The rows (sorted by expert) of the experts this tp rank's expert group holds. The experts are
-        split over ``ep x tp`` ranks (ep-major: expert block ``b`` lives on expert-group rank ``b // tp``,
-        tp rank ``b % tp``); the other tp ranks take the rest. A data-dependent selection: one host read."""
-        local = self.experts.n_experts
-        tp_size, tp_rank = dist.get_world_size(tp), dist.get_rank(tp)
-        owner = torch.arange(self.n_experts, device=counts.device) // local
-        mine = owner % tp_size == tp_rank
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(self.n_experts, device=counts.device), counts, output_size=token_of_row.numel()
-        )
-        keep = mine[expert_of_row]
-        return token_of_row[keep], weight_of_row[keep], counts[mine]
 
     def _aux_loss(self, routing: Routing, sequences: int) -> Optional[Tensor]:
         """Balance loss per sequence, averaged over the sequences; z-loss averaged over the tokens."""

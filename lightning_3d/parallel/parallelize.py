@@ -8,10 +8,12 @@ The order is fixed and matters (DESIGN.md, "One training step"):
 4. activation checkpointing (wraps whole blocks or their attention, after TP replaced the layers);
 5. pipeline split (keep this stage's blocks; the runtime takes over the forward);
 6. loss normalization over data x context parallel (pp == 1: the pipeline runtime weighs its
-   micro-batches), then the context-parallel input split around it all (outermost);
+   micro-batches) and a family's router loss from the whole batch's statistics, then the
+   context-parallel input split around it all (outermost);
 7. precision dtype;
 8. materialize (the seam for meta-device models), device placement and replica sync;
-9. expert parallelism (each rank keeps its experts: after the sync, so every slice is cut from
+9. expert parallelism, of ``lightning_3d.moe`` layers and of a family's own MoE blocks (each rank
+   keeps its experts: after the sync, so every slice is cut from
    the same whole model, and before ZeRO, which shards the slices over their expert replicas);
 10. ZeRO (stage 0's reducer, stages 1-2's flat buffers, stage 3's ``fully_shard``).
 
@@ -36,6 +38,7 @@ from lightning_3d.core import rank_zero
 from lightning_3d.core.config import ParallelConfig
 from lightning_3d.core.distributed import broadcast_module_state
 from lightning_3d.core.topology import Topology
+from lightning_3d.models.adapters.base import model_parallel_degrees
 from lightning_3d.models.adapters.registry import find_models, find_sequences, known_names, models_in
 from lightning_3d.moe.expert_parallel import apply_expert_parallel
 from lightning_3d.moe.layer import MoE, bind_sequence_group
@@ -91,7 +94,7 @@ def parallelize(
     config.check_models(models_in(module), tensor_parallel_plan=user_plan is None)
     refuse_foreign_experts(module, config)
     remove_context_parallel(module)  # an earlier set-up's (validate before fit): rebuilt below, in order
-    moe_layers = sum(isinstance(m, MoE) for m in module.modules())  # (before the pipeline keeps this stage's)
+    moe_layers = moe_layer_count(module)  # (before the pipeline keeps this stage's)
     if config.layout.tensor_parallel > 1:
         apply_tensor_parallel(module, topology, config, rng_tracker, user_plan)
     cp = context_parallel_of(topology, config)
@@ -110,6 +113,8 @@ def parallelize(
     if training and config.layout.pipeline_parallel == 1:  # (the pipeline runtime weighs its micro-batches itself)
         for _, model, sequence, _ in find_sequences(module):
             normalize_over_data_parallel(model, sequence, topology.dp_group)
+        for _, model, adapter in find_models(module):  # (a router loss from batch statistics: the whole batch's)
+            adapter.average_router_loss(model, topology.dp_group, config.layout.context_parallel)
     if cp is not None:
         for _, model, sequence, _ in find_sequences(module):
             shard_inputs(model, sequence, cp)
@@ -186,24 +191,29 @@ def apply_context_parallel(root: nn.Module, cp: ContextParallel) -> int:
 
 def refuse_foreign_experts(root: nn.Module, config: ParallelConfig) -> None:
     """A model with experts that are not ``lightning_3d.moe`` layers (a Hugging Face MoE family runs
-    transformers' own) trains under data parallelism and ZeRO only: tensor, context, pipeline and
-    expert parallelism split or cut what its router and its router loss see, without knowing them."""
-    layout = config.layout
-    degrees = [f"{name}={n}" for name, n in (
-        ("tensor_parallel", layout.tensor_parallel), ("context_parallel", layout.context_parallel),
-        ("pipeline_parallel", layout.pipeline_parallel), ("expert_parallel", layout.expert_parallel),
-    ) if n > 1]
-    if not degrees:
+    transformers' own) is split only where its family's adapter knows how (transformers' stacked
+    experts: :mod:`~lightning_3d.models.adapters.hf_moe`); anything else is refused here, naming why,
+    before anything is sharded."""
+    if not model_parallel_degrees(config.layout):
         return
     for name, model, adapter in find_models(root):
         experts = getattr(adapter.dims(model), "n_experts", 0)
-        if experts and not any(isinstance(m, MoE) for m in model.modules()):
+        if not experts or any(isinstance(m, MoE) for m in model.modules()):
+            continue
+        why = adapter.expert_refusal(model, config.layout) if adapter.moe_blocks(model) else (
+            f"its experts are not in blocks lightning_3d recognizes (a router 'gate' next to stacked 'experts') and the "
+            f"{adapter.name!r} adapter does not split them; set {', '.join(model_parallel_degrees(config.layout))} to 1"
+        )
+        if why:
             raise NotImplementedError(
-                f"model {name or type(model).__name__!r} has mixture-of-experts layers (n_experts={experts}) of its own "
-                f"(transformers' MoE code, not lightning_3d.moe), which this version trains under data parallelism and "
-                f"ZeRO only, not at {', '.join(degrees)}: their experts and router loss would be split without being "
-                f"known. Set those degrees to 1 (the reference GPT's MoE composes with all of them)."
+                f"model {name or type(model).__name__!r} has mixture-of-experts layers (n_experts={experts}): {why}."
             )
+
+
+def moe_layer_count(root: nn.Module) -> int:
+    """MoE layers in ``root``: ``lightning_3d.moe`` layers and the model families' own blocks."""
+    own = sum(len(adapter.moe_blocks(model)) for _, model, adapter in find_models(root))
+    return own + sum(isinstance(m, MoE) for m in root.modules())
 
 
 def apply_expert_parallelism(
@@ -217,16 +227,18 @@ def apply_expert_parallelism(
     if topology.ep_size == 1 and topology.dims.tp == 1:
         return 0
     tp = topology.tp_group if topology.dims.tp > 1 else None
-    found = apply_expert_parallel(
-        root, topology.expert_group, topology.expert_replica_mesh, tp_group=tp, owners=topology.expert_tensor_group(),
+    split = dict(
+        group=topology.expert_group, replica_mesh=topology.expert_replica_mesh, tp_group=tp, owners=topology.expert_tensor_group(),
         sequence_parallel=sequence_parallel,
     )
+    found = apply_expert_parallel(root, **split)
+    found += sum(adapter.apply_expert_parallel(model, **split) for _, model, adapter in find_models(root))
     anywhere = bool(found) if model_has_experts is None else model_has_experts
     if not anywhere and topology.ep_size > 1:
         raise NotImplementedError(
-            f"expert_parallel={topology.ep_size} found no lightning_3d.moe.MoE layer in {type(root).__name__}: expert "
-            f"parallelism splits the grouped experts of lightning_3d's MoE layers (the reference GPT with n_experts); "
-            f"other MoE implementations (Hugging Face MoE families) are not split yet. Use expert_parallel=1."
+            f"expert_parallel={topology.ep_size} found no mixture-of-experts layer in {type(root).__name__}: expert "
+            f"parallelism splits the experts of lightning_3d's MoE layers (the reference GPT with n_experts) and of "
+            f"Hugging Face MoE families (transformers' stacked experts). Use expert_parallel=1."
         )
     return found
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -270,15 +270,17 @@ class SequenceSplitInput(Style):
         module.register_forward_pre_hook(split, with_kwargs=True)
 
 
-def mark_sequence_sharded_replicas(module: nn.Module, group: dist.ProcessGroup) -> int:
+def mark_sequence_sharded_replicas(module: nn.Module, group: dist.ProcessGroup, skip: Collection[nn.Module] = ()) -> int:
     """Under sequence parallelism: every replicated parameter of ``module`` that is applied to a
-    sequence shard (outside the modules whose input a ``"share_entry"`` gathers) gets partial
-    gradients, summed over tp (the norms of a decoder layer); returns how many were marked."""
+    sequence shard (outside the modules whose input a ``"share_entry"`` gathers, and outside ``skip``:
+    modules that gather their input themselves) gets partial gradients, summed over tp (the norms of
+    a decoder layer); returns how many were marked."""
     count = 0
+    skipped = {id(m) for m in skip}
 
     def visit(m: nn.Module) -> None:
         nonlocal count
-        if wrapper(m, SHARED_ENTRY) is not None:
+        if wrapper(m, SHARED_ENTRY) is not None or id(m) in skipped:
             return  # inside: whole sequences, the plan's own marks apply
         for p in m.parameters(recurse=False):
             spec = get_spec(p)
@@ -351,7 +353,8 @@ def _styles_of(spec: StyleSpec) -> list[Style]:
     return styles
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches_pattern(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches a plan pattern (``fnmatch`` per dotted segment)."""
     parts, pats = name.split("."), pattern.split(".")
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 
@@ -382,7 +385,7 @@ def apply_plan(model: nn.Module, plan: TensorParallelPlan, ctx: PlanContext) -> 
     unmatched = set(plan.styles)
     for name in names:
         for pattern, spec in plan.styles.items():
-            if not _matches(name, pattern):
+            if not matches_pattern(name, pattern):
                 continue
             unmatched.discard(pattern)
             for style in _styles_of(spec):

@@ -27,8 +27,8 @@ def _rows_index(n: int, like: Tensor) -> Tensor:
     return torch.empty(n, dtype=torch.long, device=like.device)
 
 
-def _balanced_rows(routing: Any, n_experts: int, keep: Optional[int], sequences: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``moe.layer._sorted_rows`` under balanced routing: every token's ``k`` rows, or each expert's
+def _balanced_rows(routing: Any, n_experts: int, keep: Optional[int] = None, sequences: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """``moe.layer.sorted_rows`` under balanced routing: every token's ``k`` rows, or each expert's
     capacity per sequence where that is fewer."""
     tokens, k = routing.experts.shape
     rows = tokens * k
@@ -38,11 +38,11 @@ def _balanced_rows(routing: Any, n_experts: int, keep: Optional[int], sequences:
     return index, routing.weights.reshape(-1)[index], torch.empty(n_experts, dtype=torch.long, device=index.device)
 
 
-def _balanced_share(layer: Any, token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, tp: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """``MoE._tensor_parallel_share`` under balanced routing: ``1 / tp`` of the rows, of ``E / tp`` experts."""
+def _balanced_share(token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, local: int, tp: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``moe.layer.tensor_parallel_share`` under balanced routing: ``1 / tp`` of the rows, of ``E / tp`` experts."""
     size = dist.get_world_size(tp)
     index = _rows_index(token_of_row.numel() // size, token_of_row)
-    return token_of_row[index], weight_of_row[index], counts[: layer.n_experts // size]
+    return token_of_row[index], weight_of_row[index], counts[: counts.numel() // size]
 
 
 def _balanced_sizes(rows: Tensor, send: Tensor, receive: Tensor) -> tuple[list[int], list[int]]:
@@ -57,11 +57,9 @@ def balanced_routing() -> Iterator[None]:
     """Inside: MoE layers route as if balanced (see the module's docstring)."""
     from lightning_3d.moe import expert_parallel, layer
 
-    saved = (layer._sorted_rows, layer.MoE._tensor_parallel_share, expert_parallel.split_sizes)
-    layer._sorted_rows = _balanced_rows
-    layer.MoE._tensor_parallel_share = _balanced_share  # type: ignore[method-assign]
-    expert_parallel.split_sizes = _balanced_sizes
+    saved = (layer.sorted_rows, layer.tensor_parallel_share, expert_parallel.split_sizes)
+    layer.sorted_rows, layer.tensor_parallel_share, expert_parallel.split_sizes = _balanced_rows, _balanced_share, _balanced_sizes
     try:
         yield
     finally:
-        layer._sorted_rows, layer.MoE._tensor_parallel_share, expert_parallel.split_sizes = saved  # type: ignore[method-assign]
+        layer.sorted_rows, layer.tensor_parallel_share, expert_parallel.split_sizes = saved

@@ -22,6 +22,15 @@ from lightning_3d.transforms.activation_checkpointing import attention_of
 
 if TYPE_CHECKING:
     from lightning_3d.context_parallel.apply import ContextParallel
+    from lightning_3d.core.config import LayoutOptions
+
+
+def model_parallel_degrees(layout: "LayoutOptions") -> list[str]:
+    """The degrees of ``layout`` above 1 that split a model or its sequences (``"tensor_parallel=2"``, ...)."""
+    return [f"{name}={n}" for name, n in (
+        ("tensor_parallel", layout.tensor_parallel), ("context_parallel", layout.context_parallel),
+        ("pipeline_parallel", layout.pipeline_parallel), ("expert_parallel", layout.expert_parallel),
+    ) if n > 1]
 
 
 def _first(tensors: list[Tensor]) -> Tensor:
@@ -116,6 +125,32 @@ class ModelAdapter:
         """``(transformers config, tensors)`` for writing a Hugging Face model directory from a dense
         checkpoint of this family; ``model_config`` is what the checkpoint records of the model."""
         raise NotImplementedError(f"the {self.name!r} adapter has no Hugging Face export.")
+
+    # -- mixtures of experts in the family's own code (the reference GPT's are lightning_3d.moe layers) ------
+    def moe_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The family's own MoE blocks in ``model`` (path, module): what :meth:`apply_expert_parallel`
+        splits. Families whose MoE layers are ``lightning_3d.moe`` layers, or that have none: ``[]``."""
+        return []
+
+    def expert_refusal(self, model: nn.Module, layout: "LayoutOptions") -> Optional[str]:
+        """Why ``model``'s own MoE blocks cannot run at ``layout`` (a sentence naming the way out), or
+        None. By default a family's own experts train under data parallelism and ZeRO only."""
+        degrees = model_parallel_degrees(layout)
+        if not degrees or not self.moe_blocks(model):
+            return None
+        return (
+            f"its mixture-of-experts layers are its own code, which the {self.name!r} adapter does not split, so not at "
+            f"{', '.join(degrees)}; set those degrees to 1"
+        )
+
+    def apply_expert_parallel(self, model: nn.Module, **split: Any) -> int:
+        """Split ``model``'s own MoE blocks (the keywords of
+        :func:`lightning_3d.moe.expert_parallel.apply_expert_parallel`); returns how many it has."""
+        return 0
+
+    def average_router_loss(self, model: nn.Module, replicas: Any, context_parallel: int) -> None:
+        """Training under data parallelism (``replicas``: the group of ``model``'s weight replicas):
+        make the router loss the family computes from batch statistics, if any, the whole batch's."""
 
     # -- shared by the plans ----------------------------------------------------------------------------
     def check_tensor_parallel(self, model: nn.Module, tp: int) -> None:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_3d.core.layout_rules import ModelDims
 from lightning_3d.core.model_shape import ModelShape
+from lightning_3d.models.adapters import hf_moe
 from lightning_3d.models.adapters.base import ExportTensor, ModelAdapter
 from lightning_3d.models.adapters.hf_context_parallel import before_split, wire_context_parallel
 from lightning_3d.models.adapters.hf_sequence import _with_loss, first_output, hf_inputs, hf_loss_inputs, hf_output, hf_target_count
@@ -119,9 +120,10 @@ def config_dims(c: Any) -> ModelDims:
     return ModelDims(
         _config_int(c, "num_hidden_layers"), hidden, heads, _config_int(c, "num_key_value_heads", default=heads),
         _config_int(c, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden), labels=dict(CONFIG_LABELS),
-        # Mixtral, Qwen3-MoE, OLMoE (num_local_experts / num_experts), DeepSeek-V3 (n_routed_experts): the
-        # layout rules keep their experts to data parallelism until expert parallelism covers them
-        n_experts=_config_int(c, "num_local_experts", "num_experts", "n_routed_experts", default=0),
+        # Mixtral, Qwen3-MoE, OLMoE (num_local_experts / num_experts), DeepSeek-V3 (n_routed_experts; its shared
+        # experts' width, which tensor parallelism splits)
+        n_experts=(experts := _config_int(c, "num_local_experts", "num_experts", "n_routed_experts", default=0)),
+        shared_expert_width=_config_int(c, "n_shared_experts", default=0) * _config_int(c, "moe_intermediate_size", "intermediate_size") if experts else 0,
     )
 
 
@@ -191,6 +193,19 @@ class HFAdapter(ModelAdapter):
         """transformers' attention interface and whole-sequence labels and positions
         (:mod:`~lightning_3d.models.adapters.hf_context_parallel`)."""
         wire_context_parallel(model, cp)
+
+    # transformers' stacked experts (@use_experts_implementation), split by lightning_3d.moe's dispatch
+    def moe_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return hf_moe.moe_blocks(model)
+
+    def expert_refusal(self, model: nn.Module, layout: Any) -> Optional[str]:
+        return hf_moe.expert_refusal(model, layout)
+
+    def apply_expert_parallel(self, model: nn.Module, **split: Any) -> int:
+        return hf_moe.apply_expert_parallel(model, **split)
+
+    def average_router_loss(self, model: nn.Module, replicas: Any, context_parallel: int) -> None:
+        hf_moe.average_router_loss(model, replicas, context_parallel)
 
     def hf_export(self, model_config: Any) -> tuple[Any, list[ExportTensor]]:
         """The model's own state-dict keys (listed from a model built on the meta device), each from

@@ -25,11 +25,13 @@ from torch import nn
 from lightning_3d.core.layout_rules import ModelDims
 from lightning_3d.core.model_shape import ModelShape
 from lightning_3d.models.adapters.hf_common import HFAdapter, config_dims, config_shape
+from lightning_3d.models.adapters.hf_moe import moe_blocks
 from lightning_3d.models.adapters.hf_plans import hf_finalize, translate_tp_plan
 from lightning_3d.models.adapters.hf_sequence import HFSequence, hf_pipeline_sequence, pipeline_plan
 from lightning_3d.models.adapters.registry import register_adapter
 from lightning_3d.pipeline.sequences import LayerSequence
-from lightning_3d.tensor_parallel.plans import StyleSpec, TensorParallelPlan
+from lightning_3d.tensor_parallel.plans import StyleSpec, TensorParallelPlan, matches_pattern
+from lightning_3d.transforms.activation_checkpointing import attention_of
 
 
 def is_hf_causal_lm(module: nn.Module) -> bool:
@@ -60,6 +62,21 @@ def _decoder_layers(model: nn.Module) -> Optional[tuple[str, str]]:
     return None
 
 
+def _attention_gathered(model: nn.Module, block: str, styles: dict[str, StyleSpec]) -> bool:
+    """Whether the plan gives the attention of decoder layer ``block`` whole sequences under sequence
+    parallelism (a shared entry, made for its column-parallel projections): attention the plan leaves
+    whole (DeepSeek-V3's MLA has no entries) would attend within this rank's shard only."""
+    try:
+        attention = attention_of(model.get_submodule(block))
+    except (AttributeError, ValueError):
+        return False
+    path = next((n for n, m in model.named_modules() if m is attention), "")
+    return any(
+        matches_pattern(path, pattern) and "share_entry" in (spec if isinstance(spec, list) else [spec])
+        for pattern, spec in styles.items()
+    )
+
+
 class GenericHFAdapter(HFAdapter):
     name = "hf"
     fallback = True
@@ -88,17 +105,11 @@ class GenericHFAdapter(HFAdapter):
             name=type(model).__name__,
             styles=styles,
             check=self.check_tensor_parallel,
-            finalize=hf_finalize(model.config.vocab_size if vocab_head else None, sharded),
-            supports_sequence_parallel=pieces is not None,
+            finalize=hf_finalize(model.config.vocab_size if vocab_head else None, sharded, [name for name, _ in moe_blocks(model)]),
+            supports_sequence_parallel=pieces is not None and _attention_gathered(model, f"{layers}.0", styles),
         )
 
     def pipeline_refusal(self, model: nn.Module) -> Optional[str]:
-        experts = config_dims(model.config).n_experts
-        if experts:  # transformers computes an MoE model's router loss in its forward, from every layer's logits
-            return (
-                f"{type(model).__name__} has mixture-of-experts layers (n_experts={experts}) whose router loss transformers "
-                f"computes in the whole model's forward, which a pipeline stage does not run; use pipeline_parallel=1."
-            )
         plan, why = pipeline_plan(model, getattr(model, "_pp_plan", None))
         if plan is not None:
             return None

@@ -19,16 +19,19 @@ transformers                        lightning_3d
 Beyond the plan, the input embedding (an ``nn.Embedding``) becomes vocabulary-parallel and the
 output embedding (an ``nn.Linear``) a vocabulary-parallel head whose loss stays split
 (``CausalLMLoss``), as Megatron does; an embedding of another class (Gemma's scaled one) keeps
-its own code and stays replicated unless its family module says how to split it. Styles for
-mixtures of experts and anything else are refused by name before anything is sharded.
+its own code and stays replicated unless its family module says how to split it. The entries for
+a mixture of experts' experts are left out: the experts are split whole over the tp ranks
+instead (:mod:`~lightning_3d.models.adapters.hf_moe`). Any other style is refused by name before
+anything is sharded.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
+from lightning_3d.models.adapters.hf_moe import is_expert_entry
 from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss
 from lightning_3d.tensor_parallel.plans import (
     Column,
@@ -38,6 +41,7 @@ from lightning_3d.tensor_parallel.plans import (
     StyleSpec,
     VocabEmbedding,
     gather_logits_hook,
+    matches_pattern,
     mark_sequence_sharded_replicas,
 )
 from lightning_3d.tensor_parallel.random import run_forward_in_rng_region, run_forward_outside_rng_region
@@ -100,7 +104,13 @@ def translate_tp_plan(
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     embed_name, head_name = names.get(embedding), names.get(head)
-    layer_styles = {k: v for k, v in (plan or {}).items() if k not in (embed_name, head_name)}
+    # (an MoE block's experts are split by expert parallelism's tensor-parallel share instead: hf_moe; and one
+    # plan serves every configuration of a family: Qwen3-MoE's names the dense MLPs of its mlp_only_layers, which
+    # a model whose every block has experts lacks)
+    layer_styles = {
+        k: v for k, v in (plan or {}).items()
+        if k not in (embed_name, head_name) and not is_expert_entry(k, v) and any(matches_pattern(n, k) for n in names.values())
+    }
     if not layer_styles:
         raise PlanRefused(
             f"{family} has no tensor-parallel plan (transformers' config for model_type="
@@ -116,7 +126,7 @@ def translate_tp_plan(
         if style not in HF_STYLES:
             raise PlanRefused(
                 f"{family}: transformers' tensor-parallel plan gives {pattern} the style {style!r}, which lightning_3d "
-                f"does not map (it maps {', '.join(HF_STYLES)}; mixtures of experts come with expert parallelism); "
+                f"does not map (it maps {', '.join(HF_STYLES)}); "
                 f"use tensor_parallel=1, or pass your own tensor_parallel_plan."
             )
         styles[pattern] = HF_STYLES[style]
@@ -151,18 +161,21 @@ def vocab_parallel_loss(vocab_size: int) -> Callable[[nn.Module, PlanContext], N
 
 
 def hf_finalize(
-    vocab_size: Optional[int], sharded: list[str]
+    vocab_size: Optional[int], sharded: list[str], gathering: Sequence[str] = ()
 ) -> Callable[[nn.Module, PlanContext], None]:
     """After the plan: the vocab-parallel loss (``vocab_size``: the head is split), and under sequence
     parallelism the replicated parameters applied to sequence shards (the decoder layers' norms,
-    the final norm: ``sharded`` module paths) marked for gradient sums over tp."""
+    the final norm: ``sharded`` module paths) marked for gradient sums over tp, except inside
+    ``gathering``: modules that gather the sequence themselves (MoE blocks, whose expert split
+    marks what it must: :mod:`~lightning_3d.models.adapters.hf_moe`)."""
     loss = vocab_parallel_loss(vocab_size) if vocab_size is not None else None
 
     def finalize(m: nn.Module, ctx: PlanContext) -> None:
         if loss is not None:
             loss(m, ctx)
         if ctx.sequence_parallel:
+            skip = [m.get_submodule(path) for path in gathering]
             for path in sharded:
-                mark_sequence_sharded_replicas(m.get_submodule(path), ctx.tp_group)
+                mark_sequence_sharded_replicas(m.get_submodule(path), ctx.tp_group, skip)
 
     return finalize
