@@ -38,7 +38,7 @@ def hf_family_config(kind: str) -> Any:
         "starcoder2": lambda: t.Starcoder2Config(**GQA, sliding_window=8, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0),
         "opt": lambda: t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
                                    max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, pad_token_id=1),
-        # mixture-of-experts families (issue 34): transformers' own MoE code, trained at data parallelism and ZeRO
+        # mixture-of-experts families (issue 34): transformers' router and blocks, the experts through lightning_3d.moe
         "mixtral": lambda: t.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
         # transformers' router loss in the model's loss (from the batch's statistics; weighted up so that it shows)
@@ -57,7 +57,8 @@ def hf_family_config(kind: str) -> Any:
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt2", "gpt_neox", "starcoder2")
 NO_PLAN = ("opt",)
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")  # at data parallelism and ZeRO only (docs/moe.md)
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")  # at every degree (docs/moe.md)
+ROUTER_LOSS = "qwen3_moe_router_loss"  # an MoE family with transformers' router loss in its loss
 
 
 def make_family_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:

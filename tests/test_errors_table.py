@@ -384,7 +384,7 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "tp-unmatched-pattern": raises(ValueError, lambda: plan_on(nn.Sequential(nn.Linear(2, 2)), {"1": "column"})),
     "tp-plan-without-sp": raises(NotImplementedError, lambda: plan_on(nn.Linear(2, 2), {}, True, supports_sequence_parallel=False)),
     "tp-hf-no-plan": raises(ValueError, lambda: hf_plan("opt")),
-    "tp-hf-unmapped-style": raises(ValueError, lambda: hf_plan("llama", {"model.layers.*.mlp.experts": "moe_tp_experts"})),
+    "tp-hf-unmapped-style": raises(ValueError, lambda: hf_plan("llama", {"model.layers.*.mlp.gate_proj": "local_colwise"})),
     "tp-layer-without-group": raises(ValueError, lambda: ColumnParallelLinear(4, 4)),
     "tp-row-sequence-parallel": raises(ValueError, lambda: RowParallelLinear(4, 4, input_is_parallel=False, sequence_parallel=True)),
     # pipeline

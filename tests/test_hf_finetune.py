@@ -1,5 +1,6 @@
 """Fine-tuning real Hugging Face checkpoints at any layout (issues 16 and 31's acceptance; the
-mixture-of-experts families of issue 34 at data parallelism and ZeRO).
+mixture-of-experts families of issue 34 at every degree, expert parallelism included, with and
+without transformers' router loss).
 
 For each of twelve families (``tests/hf_families.py``: Llama, Mistral, Qwen2, Qwen3, Gemma 2,
 Gemma 3, Phi-3, OLMo 2, Granite, GPT-2, GPT-NeoX, StarCoder2) a tiny checkpoint is written locally
@@ -26,9 +27,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_3d import ThreeDParallelStrategy, from_pretrained
 from lightning_3d.checkpoint.hf_export import export_hf
+from lightning_3d.models.adapters.hf_moe import moe_blocks
 from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks
-from tests.hf_families import FAMILIES, MOE_FAMILIES, NO_PLAN, VOCAB, hf_family_config, make_family_checkpoint
+from tests.hf_families import FAMILIES, MOE_FAMILIES, NO_PLAN, ROUTER_LOSS, VOCAB, hf_family_config, make_family_checkpoint
 from tests.test_launchers import ROOT, _run
 
 STEPS, BATCH, SEQ, LR = 5, 8, 16, 1e-2
@@ -112,10 +114,12 @@ def fine_tune(path: Path, out: Path, **layout: Any) -> dict[str, Any]:
     data = TensorDataset(tokens())
     sampler = DistributedSampler(data, shuffle=False, **replicas)
     loader = DataLoader(data, batch_size=BATCH // replicas["num_replicas"], sampler=sampler)
-    trainer.fit(FineTune(str(path)), loader)
+    module = FineTune(str(path))
+    trainer.fit(module, loader)
     checkpoint = str(out) + ".ckpt"
     trainer.save_checkpoint(checkpoint)
-    result: dict[str, Any] = {"losses": recorder.losses}
+    # (an MoE family's experts held here: a slice of each stack under expert and tensor parallelism)
+    result: dict[str, Any] = {"losses": recorder.losses, "local_experts": [b.experts.gate_up_proj.shape[0] for _, b in moe_blocks(module.model)]}
     if dist.get_rank() == 0:
         from lightning_3d.checkpoint.consolidate import dense_state_dict
         from lightning_3d.checkpoint.sharded import ShardedCheckpoint, latest_complete
@@ -183,6 +187,17 @@ TWO_RANKS = {
     "zero3": dict(zero_stage=3),
     "dp2-zero1": dict(data_parallel=2, zero_stage=1),
 }
+# expert parallelism (issue 34): taken from the data-parallel ranks
+MOE_TWO = {
+    "ep2": dict(data_parallel=2, expert_parallel=2, zero_stage=1),
+    "ep2-zero3": dict(data_parallel=2, expert_parallel=2, zero_stage=3),
+    "dp2-recompute": dict(data_parallel=2, activation_checkpointing="full"),
+}
+LAYOUTS = {**TWO_RANKS, **MOE_TWO}
+FOUR_RANKS = {
+    "dp2tp2ep2": dict(data_parallel=2, tensor_parallel=2, expert_parallel=2, zero_stage=1),
+    "dp2tp2": dict(data_parallel=2, tensor_parallel=2, zero_stage=1),
+}
 EIGHT_RANKS = {
     "dp2tp2pp2": dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, zero_stage=1),
     "dp2tp2pp2-sp": dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, zero_stage=1, sequence_parallel=True),
@@ -193,8 +208,11 @@ EIGHT_RANKS = {
 # layout at least once: a pairwise cover of families x layouts would be the product itself) and
 # three families at the 8-rank layouts, one each
 ALL_TWO = [(kind, name) for kind in FAMILIES for name in TWO_RANKS if name != "dp2-zero1"] + [(kind, "zero3") for kind in NO_PLAN]
-# the MoE families run transformers' MoE, which only data parallelism and ZeRO leave whole (docs/moe.md)
-ALL_TWO += [(kind, name) for kind in MOE_FAMILIES for name in ("dp2-zero1", "zero3")]
+# the MoE families at every degree (their experts through lightning_3d.moe's dispatch: docs/moe.md), and
+# transformers' router loss: rebuilt from the whole batch at dp > 1, refused where no rank sees it whole
+ALL_TWO += [(kind, name) for kind in MOE_FAMILIES for name in LAYOUTS if name != "dp2-recompute"]
+ALL_TWO += [(ROUTER_LOSS, name) for name in ("dp2-zero1", "dp2-recompute", "ep2", "ep2-zero3", "tp2", "pp2", "cp2-ring")]
+ALL_FOUR = [(kind, "dp2tp2ep2") for kind in MOE_FAMILIES] + [(ROUTER_LOSS, name) for name in FOUR_RANKS]
 ALL_EIGHT = [(kind, name) for kind in FAMILIES for name in EIGHT_RANKS]
 # (each layout trains at least one family: the ring refuses soft-capping and short sliding windows, so it
 # gets families without them, and Gemma 2 goes to all-to-all, which computes them)
@@ -203,27 +221,31 @@ SAMPLE_LAYOUT = {
     "phi3": "zero3", "olmo2": "tp2", "granite": "pp2", "gpt2": "cp2-ring", "gpt_neox": "tp2-sp", "starcoder2": "zero3",
 }
 SAMPLE_TWO = [(kind, SAMPLE_LAYOUT[kind]) for kind in FAMILIES] + [(kind, "zero3") for kind in NO_PLAN]
-# (two of the four MoE families, one per layout; the others in make test-slow's product)
-SAMPLE_TWO += [("mixtral", "dp2-zero1"), ("deepseek_v3", "zero3")]
+# (the MoE families at expert parallelism with ZeRO-1 and ZeRO-3, tp, tp + SP, zb_v, the router loss over
+# replicas and its refusal; the others in make test-slow's product)
+SAMPLE_TWO += [
+    ("mixtral", "ep2"), ("deepseek_v3", "ep2-zero3"), ("qwen3_moe", "tp2-sp"), ("olmoe", "tp2"), ("deepseek_v3", "pp2-zbv"),
+    (ROUTER_LOSS, "ep2"), (ROUTER_LOSS, "pp2"),
+]
 SAMPLE_EIGHT = [("llama", "dp2tp2pp2"), ("qwen3", "dp2tp2pp2-sp"), ("gpt2", "cp2tp2pp2")]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hf")
-    for kind in FAMILIES + NO_PLAN + MOE_FAMILIES:
+    for kind in FAMILIES + NO_PLAN + MOE_FAMILIES + (ROUTER_LOSS,):
         make_checkpoint(kind, root)
     return root
 
 
 @pytest.fixture(scope="module")
 def references(checkpoints) -> dict[str, Any]:
-    return {kind: reference(checkpoints / kind) for kind in FAMILIES + NO_PLAN + MOE_FAMILIES}
+    return {kind: reference(checkpoints / kind) for kind in FAMILIES + NO_PLAN + MOE_FAMILIES + (ROUTER_LOSS,)}
 
 
 @pytest.fixture(scope="module")
 def two(checkpoints) -> list[dict[str, Any]]:
-    return run_on_ranks(world, 2, str(checkpoints), SAMPLE_TWO, TWO_RANKS, True, timeout=900)
+    return run_on_ranks(world, 2, str(checkpoints), SAMPLE_TWO, LAYOUTS, True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +255,12 @@ def eight(checkpoints) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_all(checkpoints) -> list[dict[str, Any]]:
-    return run_on_ranks(world, 2, str(checkpoints), ALL_TWO, TWO_RANKS, timeout=1800)
+    return run_on_ranks(world, 2, str(checkpoints), ALL_TWO, LAYOUTS, timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def four_all(checkpoints) -> list[dict[str, Any]]:
+    return run_on_ranks(world, 4, str(checkpoints), ALL_FOUR, FOUR_RANKS, timeout=1800)
 
 
 @pytest.fixture(scope="module")
@@ -256,36 +283,54 @@ def _key_part(key: str, size: int, heads: int) -> np.ndarray:
     return part
 
 
-def refusal(kind: str, layout: str) -> str:
-    """What the layout refuses for the family ("" if nothing): the ring's blocks are causal or full,
-    so sliding windows shorter than the sequence and soft-capped scores go to all-to-all."""
-    if layout.endswith("-sp") and kind == "gpt2":
-        return "does not support sequence_parallel=True"
+def refusal(kind: str, layout: str) -> tuple[str, str]:
+    """What the layout refuses for the family, and the way out it names (("", "") if nothing): the ring's
+    blocks are causal or full, so sliding windows shorter than the sequence and soft-capped scores go to
+    all-to-all; a family without transformers' pipeline plan is not pipelined, nor sequence-parallel; SP
+    needs a plan that gathers the attention (DeepSeek-V3's MLA has none); transformers' router loss needs
+    every layer of whole sequences."""
+    if kind == ROUTER_LOSS and layout.startswith("pp"):
+        return "which no pipeline stage runs", "output_router_logits=False"
+    if kind == ROUTER_LOSS and layout.startswith("cp"):
+        return "which context_parallel=2 splits", "output_router_logits=False"
+    if kind == "olmoe" and layout.startswith("pp"):
+        return "cannot be pipelined", "use pipeline_parallel=1"
+    if layout.endswith("-sp") and kind in ("gpt2", "olmoe", "deepseek_v3"):
+        return "does not support sequence_parallel=True", "use sequence_parallel=False"
     if layout != "cp2-ring":
-        return ""
+        return "", ""
     config = hf_family_config(kind)
+    way_out = "context_parallel_mode='all_to_all'"
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "soft-caps attention scores, which the ring cannot"
+        return "soft-caps attention scores, which the ring cannot", way_out
     if (getattr(config, "sliding_window", None) or SEQ) < SEQ and (
         kind != "qwen2" or config.use_sliding_window
     ):
-        return "sliding-window layers (sliding_window=8), which the ring cannot compute"
-    return ""
+        return "sliding-window layers (sliding_window=8), which the ring cannot compute", way_out
+    return "", ""
 
 
-def _check(ranks: list[dict[str, Any]], ref: dict[str, Any], name: str) -> None:
+def _experts(kind: str) -> int:
+    config = hf_family_config(kind)
+    return next((v for k in ("num_local_experts", "num_experts", "n_routed_experts") if isinstance(v := getattr(config, k, None), int)), 0)
+
+
+def _check(ranks: list[dict[str, Any]], ref: dict[str, Any], name: str, layouts: dict[str, dict[str, Any]] = LAYOUTS) -> None:
     kind, layout = name.split("/")
-    if refusal(kind, layout):  # refused before its first step completes, naming the alternative
+    why, way_out = refusal(kind, layout)
+    if why:  # refused before its first step completes, naming the alternative
         for rank in ranks:
             error = rank[name].get("error", "") if isinstance(rank[name], dict) else ""
-            way_out = "context_parallel_mode='all_to_all'" if layout.startswith("cp") else "use sequence_parallel=False"
-            assert refusal(kind, layout) in error and way_out in error, error[-2000:]
+            assert why in error and way_out in error, error[-2000:]
         return
     losses = np.mean([result_of(r, name)["losses"] for r in ranks], axis=0)  # dp replicas: equal token counts
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses[0], ref["losses"][0], rtol=1e-5)  # the loaded model is transformers' model
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)  # and fine-tunes like one process
     first = result_of(ranks[0], name)
+    if _experts(kind):  # each rank computed its slice of the experts
+        split = layouts[layout].get("expert_parallel", 1) * layouts[layout].get("tensor_parallel", 1)
+        assert first["local_experts"] and set(first["local_experts"]) == {_experts(kind) // split}, first["local_experts"]
     assert first["exact"] and not first["missing"], f"{name}: the export is not the trained weights"
     assert "tokenizer_config.json" in first["tokenizer_files"]  # taken from init_from
     for key, value in ref["weights"].items():  # the weights trained at this layout are one process's
@@ -308,7 +353,7 @@ def test_two_rank_layouts_fine_tune_like_one_process(two, references, kind, layo
 
 @pytest.mark.parametrize("kind,layout", SAMPLE_EIGHT)
 def test_dp2_tp2_pp2_fine_tunes_like_one_process(eight, references, kind, layout):
-    _check(eight, references[kind], f"{kind}/{layout}")
+    _check(eight, references[kind], f"{kind}/{layout}", EIGHT_RANKS)
 
 
 @pytest.mark.slow
@@ -318,9 +363,15 @@ def test_every_family_at_every_two_rank_layout(two_all, references, kind, layout
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind,layout", ALL_FOUR)
+def test_moe_families_at_dp2_tp2_ep2(four_all, references, kind, layout):
+    _check(four_all, references[kind], f"{kind}/{layout}", FOUR_RANKS)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,layout", ALL_EIGHT)
 def test_every_family_at_dp2_tp2_pp2(eight_all, references, kind, layout):
-    _check(eight_all, references[kind], f"{kind}/{layout}")
+    _check(eight_all, references[kind], f"{kind}/{layout}", EIGHT_RANKS)
 
 
 def test_a_recipe_fine_tunes_a_checkpoint_and_the_cli_exports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

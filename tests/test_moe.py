@@ -250,10 +250,11 @@ def test_flops_per_token_count_what_a_token_computes_in_its_experts():
 
 
 @pytest.mark.parametrize("family", ["MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "DeepseekV3Config"])
-def test_hugging_face_moe_families_are_held_to_data_parallelism_too(family):
-    """transformers runs its own MoE code for these families (not lightning_3d.moe): the adapters read
-    their experts from the config (the layout rules then check ep's divisibility), and the set-up
-    refuses every degree that would split what their router sees, by name."""
+def test_hugging_face_moe_families_are_split_where_their_experts_are_known(family):
+    """transformers' stacked experts are split by lightning_3d.moe's dispatch (models/adapters/hf_moe.py):
+    every degree passes the set-up's check; experts of another convention, a block part tensor
+    parallelism would not know how to split, and the router loss under a pipeline or context parallelism
+    are refused, by name."""
     import transformers
 
     from lightning_3d.core.config import ParallelConfig
@@ -267,11 +268,23 @@ def test_hugging_face_moe_families_are_held_to_data_parallelism_too(family):
     assert any(r.rule == "expert_parallel_divides_experts" for r in model_refusals(tp=1, pp=1, ep=dims.n_experts + 1, model=dims))
     assert config_dims(transformers.LlamaConfig()).n_experts == 0
     tiny = _tiny_hf_moe(family)
-    refuse_foreign_experts(tiny, ParallelConfig(data_parallel=2, zero_stage=3))  # data parallelism and ZeRO: fine
-    for degrees in ({"tensor_parallel": 2}, {"context_parallel": 2}, {"expert_parallel": 2}):
-        with pytest.raises(NotImplementedError) as refused:
+    every = ({"data_parallel": 2, "zero_stage": 3}, {"tensor_parallel": 2}, {"context_parallel": 2}, {"expert_parallel": 2}, {"pipeline_parallel": 2})
+    for degrees in every:
+        refuse_foreign_experts(tiny, ParallelConfig(**degrees))
+    tiny.config.output_router_logits = True  # transformers' router loss: from every layer of whole sequences
+    for degrees, why in (({"pipeline_parallel": 2}, "which no pipeline stage runs"), ({"context_parallel": 2}, "which context_parallel=2 splits")):
+        with pytest.raises(NotImplementedError, match=why):
             refuse_foreign_experts(tiny, ParallelConfig(**degrees))
-        assert "of its own (transformers' MoE code, not lightning_3d.moe)" in str(refused.value), refused.value
+    refuse_foreign_experts(tiny, ParallelConfig(tensor_parallel=2))
+    tiny.config.output_router_logits = False
+    block = next(m for m in tiny.modules() if hasattr(m, "experts"))
+    block.extra_gate = torch.nn.Linear(16, 1)  # (Qwen2-MoE's shared_expert_gate: tp would sum it unsplit)
+    with pytest.raises(NotImplementedError, match=r"extra_gate \(Linear\) is neither the router"):
+        refuse_foreign_experts(tiny, ParallelConfig(tensor_parallel=2))
+    refuse_foreign_experts(tiny, ParallelConfig(expert_parallel=2))  # (expert parallelism leaves it whole)
+    block.experts.register_parameter("gate_up_proj_bias", torch.nn.Parameter(torch.zeros(4, 32)))  # (GPT-OSS's biases)
+    with pytest.raises(NotImplementedError, match=r"its experts hold .*gate_up_proj_bias.*at expert_parallel=2; set those degrees to 1"):
+        refuse_foreign_experts(tiny, ParallelConfig(expert_parallel=2))
 
 
 def _tiny_hf_moe(family: str) -> torch.nn.Module:
@@ -291,20 +304,32 @@ def _tiny_hf_moe(family: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_hugging_face_moe_models_are_not_pipelined_without_their_router_loss():
-    """transformers computes an MoE model's router loss in the whole model's forward; a pipeline stage
-    runs only its layers, so the loss would be lost: refused by the HF adapter, by name."""
+def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):  # noqa: ANN001
+    """A family whose router loss is not transformers' Switch-style one (it weighs the logits' squares)."""
+    return sum(layer.square().mean() for layer in gate_logits)
+
+
+def test_the_router_loss_over_replicas_is_transformers_own():
+    """At dp > 1 the router loss is rebuilt from the whole batch's statistics: its sums give exactly
+    transformers' load_balancing_loss_func on the same logits (with and without padding), and a family
+    whose own function differs is found (so refused at dp > 1, not computed differently)."""
     import transformers
 
-    from lightning_3d.models.adapters.registry import adapter_for
+    from lightning_3d.models.adapters import hf_moe
 
-    config = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-    )
-    model = transformers.MixtralForCausalLM(config)
-    why = adapter_for(model).pipeline_refusal(model)
-    assert why is not None and "mixture-of-experts layers (n_experts=4)" in why and "pipeline_parallel=1" in why, why
+    model = _tiny_hf_moe("MixtralConfig")
+    assert hf_moe._family_loss_agrees(model, 4, 2)
+    logits = [torch.randn(6, 4) for _ in range(3)]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    for m in (None, mask):
+        theirs = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(tuple(logits), 4, 2, m)
+        ours = hf_moe._balance_loss(*hf_moe.switch_balance_terms(logits, 4, 2, m), 4)
+        torch.testing.assert_close(ours, theirs)
+
+    class OtherLoss(transformers.MixtralForCausalLM):
+        pass
+
+    assert not hf_moe._family_loss_agrees(OtherLoss(model.config), 4, 2)  # (this module's function above)
 
 
 def test_tensor_parallel_must_divide_the_experts_and_the_shared_experts_width():
