@@ -192,10 +192,13 @@ MOE_TWO = {
     "ep2": dict(data_parallel=2, expert_parallel=2, zero_stage=1),
     "ep2-zero3": dict(data_parallel=2, expert_parallel=2, zero_stage=3),
     "dp2-recompute": dict(data_parallel=2, activation_checkpointing="full"),
+    "cp2ep2": dict(context_parallel=2, context_parallel_mode="all_to_all", expert_parallel=2),  # (the cp ranks' experts)
 }
 LAYOUTS = {**TWO_RANKS, **MOE_TWO}
 FOUR_RANKS = {
     "dp2tp2ep2": dict(data_parallel=2, tensor_parallel=2, expert_parallel=2, zero_stage=1),
+    "dp2pp2ep2": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2, zero_stage=1),
+    "dp2pp2ep2-zbv": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2, pipeline_schedule="zb_v", micro_batches=4),
     "dp2tp2": dict(data_parallel=2, tensor_parallel=2, zero_stage=1),
 }
 EIGHT_RANKS = {
@@ -212,7 +215,8 @@ ALL_TWO = [(kind, name) for kind in FAMILIES for name in TWO_RANKS if name != "d
 # transformers' router loss: rebuilt from the whole batch at dp > 1, refused where no rank sees it whole
 ALL_TWO += [(kind, name) for kind in MOE_FAMILIES for name in LAYOUTS if name != "dp2-recompute"]
 ALL_TWO += [(ROUTER_LOSS, name) for name in ("dp2-zero1", "dp2-recompute", "ep2", "ep2-zero3", "tp2", "pp2", "cp2-ring")]
-ALL_FOUR = [(kind, "dp2tp2ep2") for kind in MOE_FAMILIES] + [(ROUTER_LOSS, name) for name in FOUR_RANKS]
+ALL_FOUR = [(kind, name) for kind in MOE_FAMILIES for name in FOUR_RANKS if name != "dp2tp2"]
+ALL_FOUR += [(ROUTER_LOSS, name) for name in ("dp2tp2ep2", "dp2tp2")]
 ALL_EIGHT = [(kind, name) for kind in FAMILIES for name in EIGHT_RANKS]
 # (each layout trains at least one family: the ring refuses soft-capping and short sliding windows, so it
 # gets families without them, and Gemma 2 goes to all-to-all, which computes them)
@@ -289,15 +293,15 @@ def refusal(kind: str, layout: str) -> tuple[str, str]:
     all-to-all; a family without transformers' pipeline plan is not pipelined, nor sequence-parallel; SP
     needs a plan that gathers the attention (DeepSeek-V3's MLA has none); transformers' router loss needs
     every layer of whole sequences."""
-    if kind == ROUTER_LOSS and layout.startswith("pp"):
+    if kind == ROUTER_LOSS and "pp2" in layout:
         return "which no pipeline stage runs", "output_router_logits=False"
-    if kind == ROUTER_LOSS and layout.startswith("cp"):
+    if kind == ROUTER_LOSS and "cp2" in layout:
         return "which context_parallel=2 splits", "output_router_logits=False"
-    if kind == "olmoe" and layout.startswith("pp"):
+    if kind == "olmoe" and "pp2" in layout:
         return "cannot be pipelined", "use pipeline_parallel=1"
     if layout.endswith("-sp") and kind in ("gpt2", "olmoe", "deepseek_v3"):
         return "does not support sequence_parallel=True", "use sequence_parallel=False"
-    if layout != "cp2-ring":
+    if layout != "cp2-ring":  # (cp2ep2 runs all-to-all)
         return "", ""
     config = hf_family_config(kind)
     way_out = "context_parallel_mode='all_to_all'"
@@ -364,7 +368,7 @@ def test_every_family_at_every_two_rank_layout(two_all, references, kind, layout
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,layout", ALL_FOUR)
-def test_moe_families_at_dp2_tp2_ep2(four_all, references, kind, layout):
+def test_moe_families_at_four_rank_layouts_with_expert_parallelism(four_all, references, kind, layout):
     _check(four_all, references[kind], f"{kind}/{layout}", FOUR_RANKS)
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lightning_3d.checkpoint.sharded import MANIFEST
+from lightning_3d.checkpoint.sharded import MANIFEST, read_manifest
 from lightning_3d.resilience.preemption import EXIT_CODE
 from tests.test_faults import Job
 
@@ -77,4 +80,110 @@ def test_the_interrupted_checkpoint_resumes_exactly(interrupted):
         resumed.kill()
     full, after = _losses(jobs["full"]), _losses(resumed)
     assert sorted(after) == list(range(step + 1, 13))
+    np.testing.assert_allclose([after[s] for s in sorted(after)], [full[s] for s in sorted(after)], rtol=1e-5)
+
+
+# -- SLURM requeue (issue 35) -------------------------------------------------------------------------------------
+JOB_ID = "4242"
+
+
+class SlurmJob:
+    """Two ranks of a SLURM job started as ``srun`` would start them (``SLURM_*`` per task, no launcher),
+    with an ``scontrol`` on the PATH that only records what it is asked (``scontrol.log``)."""
+
+    def __init__(self, out: Path, restart: int = 0) -> None:
+        from lightning_3d.testing.harness import free_port
+        from tests.test_faults import COLLECTIVE_S, HEARTBEAT_S, ROOT, WORKER
+
+        out.mkdir(exist_ok=True)
+        tools = out.parent / "bin"
+        tools.mkdir(exist_ok=True)
+        (tools / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+        (tools / "scontrol").chmod(0o755)
+        self.out, self.scontrol = out, out.parent / "scontrol.log"
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+        env.update(
+            PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIGHTNING_3D_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S), MASTER_PORT=str(free_port()),
+            PATH=f"{tools}:{env.get('PATH', '')}", SCONTROL_LOG=str(self.scontrol), SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train",
+            SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1",
+            SLURM_RESTART_COUNT=str(restart),
+        )
+        self.logs = [out / f"output{restart}-rank{r}.txt" for r in range(2)]
+        self.procs = []
+        for rank, log in enumerate(self.logs):
+            with open(log, "w") as f:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), str(out), "slurm", str(COLLECTIVE_S), "2"],
+                    env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                ))
+
+    def steps(self, rank: int, attempt: int) -> dict[int, float]:
+        path = self.out / f"rank{rank}.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return {r["step"]: r["loss"] for r in lines if r["attempt"] == attempt}
+
+    def output(self) -> str:
+        return "\n".join(log.read_text() for log in self.logs)
+
+    def wait(self, limit: float) -> list[int]:
+        deadline = time.monotonic() + limit
+        return [p.wait(timeout=max(deadline - time.monotonic(), 1.0)) for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def requeued(tmp_path_factory):
+    """A SLURM job gets its requeue signal (SIGUSR1, ``--signal=USR1@90``) on one rank after step 3; the
+    requeued job is the same command again, with SLURM_RESTART_COUNT=1."""
+    root = tmp_path_factory.mktemp("slurm")
+    first = SlurmJob(root / "job")
+    try:
+        deadline = time.monotonic() + START_S
+        while not (len(first.steps(0, 0)) >= 3 and len(first.steps(1, 0)) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in first.procs), first.output()[-4000:]
+            time.sleep(0.2)
+        os.kill(first.procs[1].pid, signal.SIGUSR1)  # (one rank: every rank stops, rank 0 requeues)
+        signalled = time.monotonic()
+        codes = first.wait(STOP_S)
+        stopped = time.monotonic() - signalled
+    finally:
+        first.kill()
+    second = SlurmJob(root / "job", restart=1)
+    try:
+        resumed = second.wait(START_S + 60)
+    finally:
+        second.kill()
+    return dict(first=first, codes=codes, stopped=stopped, second=second, resumed=resumed)
+
+
+def test_slurm_requeue_signal_writes_the_hpc_checkpoint_and_requeues_the_job(requeued):
+    """Lightning's own handler saves inside the signal handler, on the ranks that got it (a collective
+    save on one rank hangs); here every rank stops at the same step, writes Lightning's hpc_ckpt_1, and
+    rank 0 runs ``scontrol requeue JOB`` once, before any rank exits."""
+    first = requeued["first"]
+    assert requeued["codes"] == [EXIT_CODE, EXIT_CODE], first.output()[-4000:]
+    assert requeued["stopped"] < STOP_S
+    saved = sorted(first.out.glob("hpc_ckpt_*"))
+    assert [p.name for p in saved] == ["hpc_ckpt_1.ckpt"] and (saved[0] / MANIFEST).is_file(), first.output()[-4000:]
+    assert first.scontrol.read_text().splitlines() == [f"requeue {JOB_ID}"]
+    said = [line for line in first.output().splitlines() if "(SLURM requeue) at step" in line]
+    assert len(said) == 2 and all(f"SLURM job {JOB_ID} is requeued" in line for line in said), first.output()[-4000:]
+    assert "Traceback" not in first.output()
+
+
+def test_the_requeued_job_resumes_from_it_with_its_command_unchanged(requeued, interrupted):
+    """The same command, ckpt_path=None: Lightning resumes a SLURM job from its newest hpc checkpoint,
+    and the steps after it are the uninterrupted run's."""
+    second = requeued["second"]
+    assert requeued["resumed"] == [0, 0], second.output()[-4000:]
+    before, after = second.steps(0, 0), second.steps(0, 1)
+    step = int(read_manifest(second.out / "hpc_ckpt_1.ckpt")["step"])
+    assert 3 <= step <= max(before) + 1 and sorted(after) == list(range(step + 1, 13))  # (within a step of the signal)
+    full = _losses(interrupted[1]["full"])
     np.testing.assert_allclose([after[s] for s in sorted(after)], [full[s] for s in sorted(after)], rtol=1e-5)

@@ -13,18 +13,34 @@ step (no wait on the device in the step). Once it says yes, every rank saves a c
 checkpoints``) and raises :class:`TrainingInterrupted`, which names the checkpoint to resume from.
 The checkpoint is written within two optimizer steps of the signal plus one save; a grace period
 shorter than that loses the job to SIGKILL like any crash, and the last complete checkpoint stays.
+
+SLURM requeue. Under SLURM with Lightning's auto-requeue (the default ``SLURMEnvironment``), the job
+asks for a signal before its time limit (``#SBATCH --signal=USR1@90``). Lightning's handler saves a
+checkpoint inside the signal handler, on whichever ranks got it: with collective checkpoints that
+can hang or interleave with the step's collectives. Here that signal is recorded like SIGTERM and
+agreed at the step (the MAX of 2 for the requeue signal, 1 for SIGTERM); every rank then writes
+Lightning's HPC checkpoint (``hpc_ckpt_N.ckpt`` in ``default_root_dir``, ``N`` agreed between the
+ranks), which a requeued job's ``fit`` resumes from with ``ckpt_path=None`` as Lightning does on
+SLURM; for the requeue signal rank 0 runs ``scontrol requeue`` for the job and tells every rank the
+outcome before they stop. A SIGTERM under SLURM (a preemption, which SLURM requeues itself when its
+preemption mode says so) writes the same HPC checkpoint, so either way the requeued job resumes at
+the signal's step without a change to its command.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import signal
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 log = logging.getLogger(__name__)
@@ -47,11 +63,46 @@ def interrupted_path(trainer: Any) -> Path:
     return directory / f"interrupted-step{trainer.global_step:06d}.ckpt"  # (no '=': Hydra overrides take it unquoted)
 
 
+def slurm_requeue(trainer: Any) -> Optional[SLURMEnvironment]:
+    """The SLURM environment when Lightning's auto-requeue is on (None otherwise)."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    return environment if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
+
+
+HPC_NAME = re.compile(r"hpc_ckpt_(\d+)")  # Lightning's HPC checkpoints, the newest of which a SLURM job resumes from
+
+
+def next_hpc_version(root: Path) -> int:
+    """The number of the next HPC checkpoint in ``root`` (1 for the first), as Lightning numbers them."""
+    found = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := HPC_NAME.match(p.name))]
+    return max(found, default=0) + 1
+
+
+def slurm_job_id() -> str:
+    """The job ``scontrol requeue`` takes: ``ARRAYJOB_TASK`` for an array task, else ``SLURM_JOB_ID``."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}" if array else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job):
+        raise RuntimeError(f"SLURM requeue: no usable job id in the environment (SLURM_JOB_ID={job!r}).")
+    return job
+
+
+def requeue(job: str) -> tuple[int, str]:
+    """``scontrol requeue JOB``: (its exit code, what it said); 127 when there is no ``scontrol``."""
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return 127, str(err)
+    return done.returncode, (done.stderr or done.stdout).strip()
+
+
 class PreemptionHandler(Callback):
     """Installed by the strategy while fitting (see the module docstring)."""
 
     def __init__(self) -> None:
         self.received: Optional[int] = None
+        self._slurm = False
+        self._requeue_signal: Optional[int] = None
         self._pending: Optional[tuple[Any, torch.Tensor]] = None
         self._last_step = -1
         self._previous: Any = None
@@ -64,20 +115,25 @@ class PreemptionHandler(Callback):
     def _note(self, signum: int, frame: Any) -> None:  # a signal handler: no collectives, no I/O
         if self.received is None:
             self.received = signum
-        for handler in self._chained:  # the user's own handlers, which Lightning had composed with its own
+        for handler in self._chained if signum == signal.SIGTERM else ():  # the user's own, which Lightning had composed
             handler(signum, frame)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # after Lightning registered its own handlers (Trainer._run): they are replaced for SIGTERM while
         # training (Lightning's broadcasts inside the handler); the user's handlers it composed still run
         self.received, self._pending, self._last_step = None, None, -1  # (a new fit starts clean)
+        slurm = slurm_requeue(trainer)
+        self._slurm = slurm is not None
+        self._requeue_signal = slurm.requeue_signal if slurm is not None else None
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._note)
-            handlers = getattr(self._previous, "signal_handlers", None)
+            self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._note)}
+            handlers = getattr(self._previous[signal.SIGTERM], "signal_handlers", None)
             self._chained = [
                 h for h in (handlers if isinstance(handlers, list) else [])
                 if callable(h) and not type(getattr(h, "__self__", None)).__name__ == "_SignalConnector"
             ]
+            if self._requeue_signal is not None:  # (Lightning's handler there saves inside the signal handler)
+                self._previous[self._requeue_signal] = signal.signal(self._requeue_signal, self._note)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -89,8 +145,9 @@ class PreemptionHandler(Callback):
             self._pending = None
             work.wait()
             if int(flag.item()):
-                self._stop(trainer)
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=self._device)
+                self._stop(trainer, requeue_job=int(flag.item()) == 2)
+        code = 0 if self.received is None else 2 if self.received == self._requeue_signal else 1
+        flag = torch.tensor([code], dtype=torch.int32, device=self._device)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -104,16 +161,40 @@ class PreemptionHandler(Callback):
             self._pending[0].wait()
         self._pending = None
         if self._previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
             self._previous = None
 
-    def _stop(self, trainer: Any) -> None:
-        path = interrupted_path(trainer)
+    def _agreed(self, value: int) -> int:
+        """The largest of every rank's ``value`` (one all-reduce on the device)."""
+        flag = torch.tensor([value], dtype=torch.int32, device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _stop(self, trainer: Any, requeue_job: bool = False) -> None:
         step = trainer.global_step
+        if self._slurm:  # Lightning's HPC checkpoint: a requeued job resumes from it with ckpt_path=None
+            root = Path(trainer.default_root_dir)
+            path = root / f"hpc_ckpt_{self._agreed(next_hpc_version(root))}.ckpt"  # (listed before any rank writes)
+        else:
+            path = interrupted_path(trainer)
         trainer.save_checkpoint(str(path))  # every rank: they decided together
-        what = f"signal {signal.Signals(self.received).name}" if self.received is not None else "a peer's SIGTERM"
+        what = f"signal {signal.Signals(self.received).name}" if self.received is not None else "a peer's signal"
+        if requeue_job:
+            job, (code, said) = slurm_job_id(), requeue(slurm_job_id()) if trainer.is_global_zero else (0, "")
+            code = self._agreed(code)  # every rank waits for rank 0's requeue, and knows how it went
+            outcome = (
+                f"SLURM job {job} is requeued: it resumes from this checkpoint as it starts (ckpt_path=None)." if code == 0
+                else f"`scontrol requeue {job}` failed (exit {code}{': ' + said if said else ''}); resubmit the job, which "
+                f"resumes from this checkpoint (ckpt_path=None), or resume with ckpt_path={str(path)!r}."
+            )
+            raise TrainingInterrupted(
+                f"lightning_3d: training interrupted by {what} (SLURM requeue) at step {step}; the checkpoint {path} is "
+                f"complete. {outcome}", str(path), step,
+            )
+        resume = " (ckpt_path=None resumes from it on SLURM)" if self._slurm else ""
         raise TrainingInterrupted(
             f"lightning_3d: training interrupted by {what} at step {step}; the checkpoint {path} is complete. "
-            f"Resume with trainer.fit(..., ckpt_path={str(path)!r}) (recipes: ckpt_path={path}).",
+            f"Resume with trainer.fit(..., ckpt_path={str(path)!r}) (recipes: ckpt_path={path}){resume}.",
             str(path), step,
         )

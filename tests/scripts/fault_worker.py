@@ -11,6 +11,9 @@
           | elastic_node         12 steps at a global batch of 24 (0.4 s each in the first attempt, for a test that
                                  kills a node's agent), resumed from the last checkpoint at whatever size restarts
           | full12_24            the same 12 steps at a global batch of 24, uninterrupted (the reference)
+          | slurm                the sigterm run as one rank of a SLURM job (SLURM_* variables set by the test, no
+                                 launcher; checkpoints of a signal in OUT, Lightning's default_root_dir), resumed by
+                                 Lightning from the newest hpc_ckpt when one is there (a requeued job)
 
 With RANK in the environment the process is one rank of a job started by hand or by torchrun;
 without it, it is rank 0 and Lightning's launcher starts DEVICES - 1 more (start_method="popen").
@@ -40,9 +43,10 @@ out, mode = Path(sys.argv[1]), sys.argv[2]
 timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 20.0
 devices = int(sys.argv[4]) if len(sys.argv) > 4 else None
 launched_by_hand = "RANK" in os.environ
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", "0")))
 fault_rank = int(os.environ["FAULT_RANK"]) if "FAULT_RANK" in os.environ else None
-faulthandler.register(signal.SIGUSR1, all_threads=True)  # a failing test asks each live rank where it is
+if mode != "slurm":  # (SLURM's requeue signal is SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a failing test asks each live rank where it is
 
 
 def die() -> None:
@@ -67,7 +71,7 @@ class Record(L.Callback):
             raise ValueError(f"a bug in the training step (step {step})")
         if mode == "slow":
             time.sleep(0.5)
-        if mode == "sigterm" or (mode == "elastic_node" and attempt == 0):
+        if mode in ("sigterm", "slurm") or (mode == "elastic_node" and attempt == 0):
             time.sleep(0.4)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, i):  # noqa: ANN001
@@ -90,12 +94,13 @@ if mode == "kill_in_save" and os.environ.get("RANK") == "1":  # die half-way thr
 L.seed_everything(0)
 checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}", save_last=True)
 trainer = quiet_trainer(
-    max_steps=10**6 if mode == "slow" else 12 if mode in ("sigterm", "resume", "full12", "elastic_node", "full12_24") else 8,
+    max_steps=10**6 if mode == "slow" else 12 if mode in ("sigterm", "resume", "full12", "elastic_node", "full12_24", "slurm") else 8,
     limit_val_batches=0,
     enable_checkpointing=mode != "slow",  # (slow runs until killed: no pile of checkpoints)
     callbacks=[Record()] + ([] if mode == "slow" else [checkpoint]),
     strategy=ThreeDParallelStrategy(timeout=timeout),
     **({} if launched_by_hand else {"devices": devices or 2, "num_nodes": 1}),
+    **({"default_root_dir": str(out)} if mode == "slurm" else {}),
 )
 batch = 24 if mode in ("elastic_node", "full12_24") else 8 if launched_by_hand else 2 * (devices or 2)
 resume_from = "last" if mode in ("elastic", "elastic_node") else os.environ.get("RESUME_FROM") if mode == "resume" else None
