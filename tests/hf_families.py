@@ -41,6 +41,10 @@ def hf_family_config(kind: str) -> Any:
         # mixture-of-experts families (issue 34): transformers' router and blocks, the experts through lightning_3d.moe
         "mixtral": lambda: t.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        # a dense first layer among MoE blocks (mlp_only_layers): the plan's dense-MLP entries apply to it alone
+        "qwen3_moe_dense_first": lambda: t.Qwen3MoeConfig(
+            **GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0],
+        ),
         # transformers' router loss in the model's loss (from the batch's statistics; weighted up so that it shows)
         "qwen3_moe_router_loss": lambda: t.Qwen3MoeConfig(
             **GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True,
@@ -59,6 +63,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "o
 NO_PLAN = ("opt",)
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")  # at every degree (docs/moe.md)
 ROUTER_LOSS = "qwen3_moe_router_loss"  # an MoE family with transformers' router loss in its loss
+DENSE_FIRST = "qwen3_moe_dense_first"  # an MoE model whose first block is dense
 
 
 def make_family_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:

@@ -30,7 +30,7 @@ from lightning_3d.checkpoint.hf_export import export_hf
 from lightning_3d.models.adapters.hf_moe import moe_blocks
 from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import LossRecorder, quiet_trainer, result_of, run_checks
-from tests.hf_families import FAMILIES, MOE_FAMILIES, NO_PLAN, ROUTER_LOSS, VOCAB, hf_family_config, make_family_checkpoint
+from tests.hf_families import DENSE_FIRST, FAMILIES, MOE_FAMILIES, NO_PLAN, ROUTER_LOSS, VOCAB, hf_family_config, make_family_checkpoint
 from tests.test_launchers import ROOT, _run
 
 STEPS, BATCH, SEQ, LR = 5, 8, 16, 1e-2
@@ -83,6 +83,18 @@ class FineTune(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
 
 
+class OwnLoss(FineTune):
+    """A user's own loss: no labels to the model, their cross-entropy on its logits plus transformers'
+    router loss from ``out.aux_loss`` (the model's own weight), what transformers' loss with labels is."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        out = self.model(input_ids=ids)
+        logits = out.logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        return loss + self.model.router_aux_loss_coef * out.aux_loss
+
+
 def reference(path: Path) -> dict[str, Any]:
     """One process, no Lightning, no lightning_3d: transformers' model and a PyTorch loop."""
     import transformers
@@ -107,6 +119,7 @@ def fine_tune(path: Path, out: Path, **layout: Any) -> dict[str, Any]:
 
     L.seed_everything(0)
     recorder = LossRecorder()
+    own_loss = layout.pop("own_loss", False)
     trainer = quiet_trainer(max_steps=STEPS, limit_val_batches=0, callbacks=[recorder], strategy=ThreeDParallelStrategy(**layout))
     # the reference's batch order: replicas take interleaved samples of each global batch, unshuffled
     # (Lightning's own distributed sampler would shuffle)
@@ -114,7 +127,7 @@ def fine_tune(path: Path, out: Path, **layout: Any) -> dict[str, Any]:
     data = TensorDataset(tokens())
     sampler = DistributedSampler(data, shuffle=False, **replicas)
     loader = DataLoader(data, batch_size=BATCH // replicas["num_replicas"], sampler=sampler)
-    module = FineTune(str(path))
+    module = (OwnLoss if own_loss else FineTune)(str(path))
     trainer.fit(module, loader)
     checkpoint = str(out) + ".ckpt"
     trainer.save_checkpoint(checkpoint)
@@ -193,6 +206,7 @@ MOE_TWO = {
     "ep2-zero3": dict(data_parallel=2, expert_parallel=2, zero_stage=3),
     "dp2-recompute": dict(data_parallel=2, activation_checkpointing="full"),
     "cp2ep2": dict(context_parallel=2, context_parallel_mode="all_to_all", expert_parallel=2),  # (the cp ranks' experts)
+    "dp2-own-loss": dict(data_parallel=2, own_loss=True),  # (no labels: the user adds out.aux_loss themselves)
 }
 LAYOUTS = {**TWO_RANKS, **MOE_TWO}
 FOUR_RANKS = {
@@ -213,8 +227,9 @@ EIGHT_RANKS = {
 ALL_TWO = [(kind, name) for kind in FAMILIES for name in TWO_RANKS if name != "dp2-zero1"] + [(kind, "zero3") for kind in NO_PLAN]
 # the MoE families at every degree (their experts through lightning_3d.moe's dispatch: docs/moe.md), and
 # transformers' router loss: rebuilt from the whole batch at dp > 1, refused where no rank sees it whole
-ALL_TWO += [(kind, name) for kind in MOE_FAMILIES for name in LAYOUTS if name != "dp2-recompute"]
-ALL_TWO += [(ROUTER_LOSS, name) for name in ("dp2-zero1", "dp2-recompute", "ep2", "ep2-zero3", "tp2", "pp2", "cp2-ring")]
+ALL_TWO += [(kind, name) for kind in MOE_FAMILIES for name in LAYOUTS if name not in ("dp2-recompute", "dp2-own-loss")]
+ALL_TWO += [(ROUTER_LOSS, name) for name in ("dp2-zero1", "dp2-recompute", "dp2-own-loss", "ep2", "ep2-zero3", "tp2", "pp2", "cp2-ring")]
+ALL_TWO += [(DENSE_FIRST, name) for name in ("tp2", "tp2-sp", "ep2", "pp2")]
 ALL_FOUR = [(kind, name) for kind in MOE_FAMILIES for name in FOUR_RANKS if name != "dp2tp2"]
 ALL_FOUR += [(ROUTER_LOSS, name) for name in ("dp2tp2ep2", "dp2tp2")]
 ALL_EIGHT = [(kind, name) for kind in FAMILIES for name in EIGHT_RANKS]
@@ -228,8 +243,8 @@ SAMPLE_TWO = [(kind, SAMPLE_LAYOUT[kind]) for kind in FAMILIES] + [(kind, "zero3
 # (the MoE families at expert parallelism with ZeRO-1 and ZeRO-3, tp, tp + SP, zb_v, the router loss over
 # replicas and its refusal; the others in make test-slow's product)
 SAMPLE_TWO += [
-    ("mixtral", "ep2"), ("deepseek_v3", "ep2-zero3"), ("qwen3_moe", "tp2-sp"), ("olmoe", "tp2"), ("deepseek_v3", "pp2-zbv"),
-    (ROUTER_LOSS, "ep2"), (ROUTER_LOSS, "pp2"),
+    ("mixtral", "ep2"), ("deepseek_v3", "ep2-zero3"), (DENSE_FIRST, "tp2-sp"), ("olmoe", "tp2"), ("deepseek_v3", "pp2-zbv"),
+    (ROUTER_LOSS, "ep2"), (ROUTER_LOSS, "dp2-own-loss"), (ROUTER_LOSS, "pp2"),
 ]
 SAMPLE_EIGHT = [("llama", "dp2tp2pp2"), ("qwen3", "dp2tp2pp2-sp"), ("gpt2", "cp2tp2pp2")]
 
@@ -237,14 +252,14 @@ SAMPLE_EIGHT = [("llama", "dp2tp2pp2"), ("qwen3", "dp2tp2pp2-sp"), ("gpt2", "cp2
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hf")
-    for kind in FAMILIES + NO_PLAN + MOE_FAMILIES + (ROUTER_LOSS,):
+    for kind in FAMILIES + NO_PLAN + MOE_FAMILIES + (ROUTER_LOSS, DENSE_FIRST):
         make_checkpoint(kind, root)
     return root
 
 
 @pytest.fixture(scope="module")
 def references(checkpoints) -> dict[str, Any]:
-    return {kind: reference(checkpoints / kind) for kind in FAMILIES + NO_PLAN + MOE_FAMILIES + (ROUTER_LOSS,)}
+    return {kind: reference(checkpoints / kind) for kind in FAMILIES + NO_PLAN + MOE_FAMILIES + (ROUTER_LOSS, DENSE_FIRST)}
 
 
 @pytest.fixture(scope="module")

@@ -273,11 +273,20 @@ def test_hugging_face_moe_families_are_split_where_their_experts_are_known(famil
         refuse_foreign_experts(tiny, ParallelConfig(**degrees))
     tiny.config.output_router_logits = True  # transformers' router loss: from every layer of whole sequences
     for degrees, why in (({"pipeline_parallel": 2}, "which no pipeline stage runs"), ({"context_parallel": 2}, "which context_parallel=2 splits")):
+        if not hasattr(tiny, "router_aux_loss_coef"):  # (DeepSeek-V3 computes no router loss: nothing to refuse)
+            refuse_foreign_experts(tiny, ParallelConfig(**degrees))
+            continue
         with pytest.raises(NotImplementedError, match=why):
             refuse_foreign_experts(tiny, ParallelConfig(**degrees))
     refuse_foreign_experts(tiny, ParallelConfig(tensor_parallel=2))
     tiny.config.output_router_logits = False
     block = next(m for m in tiny.modules() if hasattr(m, "experts"))
+    if hasattr(block, "jitter_noise"):  # Mixtral's in-place jitter: tp ranks would route apart
+        block.jitter_noise = 0.01
+        with pytest.raises(NotImplementedError, match=r"router_jitter_noise=0.01.*set router_jitter_noise=0"):
+            refuse_foreign_experts(tiny, ParallelConfig(tensor_parallel=2))
+        refuse_foreign_experts(tiny, ParallelConfig(expert_parallel=2))
+        block.jitter_noise = 0.0
     block.extra_gate = torch.nn.Linear(16, 1)  # (Qwen2-MoE's shared_expert_gate: tp would sum it unsplit)
     with pytest.raises(NotImplementedError, match=r"extra_gate \(Linear\) is neither the router"):
         refuse_foreign_experts(tiny, ParallelConfig(tensor_parallel=2))

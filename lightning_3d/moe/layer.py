@@ -114,14 +114,15 @@ def tensor_parallel_share(token_of_row: Tensor, weight_of_row: Tensor, counts: T
 
 def run_experts(
     tokens: Tensor, routing: Routing, n_experts: int, experts: ExpertStack, expert_group: Any = None, tp: Any = None,
-    keep: Optional[int] = None, sequences: int = 1,
+    keep: Optional[int] = None, sequences: int = 1, combine_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """Every token's routed rows through their experts, weighted and summed per token (``(N, dim)``,
-    in the experts' dtype: autocast's, as a dense MLP's output would be).
+    in the experts' dtype -- autocast's, as a dense MLP's output would be -- or ``combine_dtype``).
 
-    ``experts`` holds this rank's ``experts.n_experts`` of the layer's ``n_experts``; ``expert_group``: the ranks the rows travel to (expert parallelism);
-    ``tp``: the tensor-parallel ranks that split the experts further (each computes its share of
-    every token's output); ``keep``: the capacity per expert and sequence."""
+    ``experts`` holds this rank's ``experts.n_experts`` of the layer's ``n_experts``;
+    ``expert_group``: the ranks the rows travel to (expert parallelism); ``tp``: the tensor-parallel
+    ranks that split the experts further (each computes its share of every token's output);
+    ``keep``: the capacity per expert and sequence."""
     token_of_row, weight_of_row, counts = sorted_rows(routing, n_experts, keep, sequences)
     if tp is not None:
         token_of_row, weight_of_row, counts = tensor_parallel_share(token_of_row, weight_of_row, counts, experts.n_experts, tp)
@@ -129,6 +130,8 @@ def run_experts(
         rows = experts(tokens[token_of_row], torch.cumsum(counts, 0).to(torch.int32))
     else:
         rows = dispatch_to_experts(tokens[token_of_row], counts, experts, expert_group)
+    if combine_dtype is not None:  # (else in the experts' dtype)
+        rows = rows.to(combine_dtype)
     return _Combine.apply(rows * weight_of_row.to(rows.dtype)[:, None], token_of_row, tokens.shape[0])
 
 

@@ -90,6 +90,12 @@ def moe_refusal(model: nn.Module, tensor_parallel: int) -> Optional[str]:
         why = _stacked(block.experts)
         if why:
             return f"{name}: {why}"
+        if tensor_parallel > 1 and float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
+            return (
+                f"{name} multiplies its input by random jitter before routing (router_jitter_noise="
+                f"{block.jitter_noise}), in place, which tensor-parallel ranks would draw apart and route apart; set "
+                f"router_jitter_noise=0 under tensor parallelism"
+            )
         if tensor_parallel > 1:
             for child, module in block.named_children():
                 if child in ("gate", "experts") or not any(True for _ in module.parameters()):
@@ -137,8 +143,11 @@ def _experts_forward(experts: nn.Module, n_experts: int, group: Any, tp: Any) ->
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+            # (only the choices and their weights are read: the router's scores and logits stay transformers')
             routing = Routing(weights=top_k_weights, experts=top_k_index, scores=top_k_weights, logits=top_k_weights)
-            out = run_experts(hidden_states, routing, n_experts, stack, group, tp)
+            # weighted and summed as transformers does: the rows times the router's (fp32) weights, promoted
+            combine_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+            out = run_experts(hidden_states, routing, n_experts, stack, group, tp, combine_dtype=combine_dtype)
             return out.to(hidden_states.dtype)
 
         return forward
@@ -233,8 +242,10 @@ def apply_expert_parallel(
 
 # -- which layouts, and transformers' router loss ---------------------------------------------------------------
 def router_loss_requested(model: nn.Module) -> bool:
-    """Whether transformers adds its router loss to the model's loss (``output_router_logits``)."""
-    return bool(getattr(getattr(model, "config", None), "output_router_logits", False))
+    """Whether transformers adds a router loss to the model's loss: ``output_router_logits`` on a
+    family that computes one (it has ``router_aux_loss_coef``; DeepSeek-V3 computes none)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False)) and hasattr(model, "router_aux_loss_coef")
 
 
 def expert_refusal(model: nn.Module, layout: Any) -> Optional[str]:
@@ -345,7 +356,7 @@ def average_router_loss(model: nn.Module, replicas: Any, context_parallel: int) 
         return
     n_experts, top_k = int(blocks[0][1].experts.gate_up_proj.shape[0]), int(model.num_experts_per_tok)
     n_experts = int(getattr(model, "num_experts", n_experts))
-    agrees = _family_loss_agrees(model, n_experts, top_k)
+    agrees: list[bool] = []  # (checked once, when the loss is first asked for)
     coefficient = float(getattr(model, "router_aux_loss_coef", getattr(model.config, "router_aux_loss_coef", 0.0)))
     recorders = [_recorder(block.gate) for _, block in blocks]
     signature = inspect.signature(model.forward)
@@ -354,14 +365,22 @@ def average_router_loss(model: nn.Module, replicas: Any, context_parallel: int) 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             wanted = kwargs.get("output_router_logits")
-            wanted = router_loss_requested(model) if wanted is None else bool(wanted)
-            if not (wanted and model.training and torch.is_grad_enabled()):
+            wanted = router_loss_requested(model) if wanted is None else bool(wanted) and hasattr(model, "router_aux_loss_coef")
+            if not (wanted and model.training and torch.is_grad_enabled()):  # (evaluation: each replica's, no collective)
                 return original(*args, **kwargs)
             if not agrees:
+                agrees.append(_family_loss_agrees(model, n_experts, top_k))
+            if not agrees[0]:
                 raise NotImplementedError(
                     f"{type(model).__name__}'s router loss (output_router_logits=True) is not transformers' Switch-style "
                     f"load_balancing_loss_func, which lightning_3d computes over the {size} data-parallel replicas' whole "
                     f"batch; use output_router_logits=False, or data_parallel=1."
+                )
+            if kwargs.get("return_dict") is False:
+                raise NotImplementedError(
+                    f"output_router_logits=True at {size} data-parallel replicas: lightning_3d rebuilds the router loss "
+                    f"from the whole batch into the model's output, which return_dict=False would make a tuple; leave "
+                    f"return_dict at its default."
                 )
             if context_parallel > 1:
                 raise NotImplementedError(
@@ -376,7 +395,7 @@ def average_router_loss(model: nn.Module, replicas: Any, context_parallel: int) 
                 logits = [t for recorder in recorders for t in recorder.logits]
                 for recorder in recorders:
                     recorder.active, recorder.logits = False, []
-            if getattr(out, "loss", None) is None or not logits:
+            if not logits:
                 return out
             mask = signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
             choices, probability, rows = switch_balance_terms(logits, n_experts, top_k, mask)
@@ -386,8 +405,9 @@ def average_router_loss(model: nn.Module, replicas: Any, context_parallel: int) 
             batch = _balance_loss(whole_choices, whole_probability, whole_rows, n_experts)
             share = size * _balance_loss(whole_choices, probability, whole_rows, n_experts)
             aux = batch + (share - share.detach())  # the batch's value; R x this replica's share's gradient
-            out.loss = out.loss + coefficient * aux.to(out.loss.dtype)
-            out.aux_loss = batch
+            if getattr(out, "loss", None) is not None:  # (without labels: the user adds out.aux_loss to their own loss)
+                out.loss = out.loss + coefficient * aux.to(out.loss.dtype)
+            out.aux_loss, out.router_logits = aux, tuple(logits)  # (as transformers returns them; the logits this replica's)
             return out
 
         return forward

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from lightning_3d.models.adapters.hf_moe import is_expert_entry
+from lightning_3d.models.adapters.hf_moe import is_expert_entry, moe_blocks
 from lightning_3d.tensor_parallel.cross_entropy import CausalLMLoss
 from lightning_3d.tensor_parallel.plans import (
     Column,
@@ -104,12 +104,14 @@ def translate_tp_plan(
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     embed_name, head_name = names.get(embedding), names.get(head)
-    # (an MoE block's experts are split by expert parallelism's tensor-parallel share instead: hf_moe; and one
-    # plan serves every configuration of a family: Qwen3-MoE's names the dense MLPs of its mlp_only_layers, which
-    # a model whose every block has experts lacks)
+    # An MoE block's experts are split by expert parallelism's tensor-parallel share instead (hf_moe). And one
+    # plan serves every configuration of an MoE family: Qwen3-MoE's names the dense MLPs of its mlp_only_layers,
+    # at the paths of MoE blocks, which a model whose every block has experts lacks: such entries are dropped.
+    blocks = [name for name, _ in moe_blocks(model)]
     layer_styles = {
         k: v for k, v in (plan or {}).items()
-        if k not in (embed_name, head_name) and not is_expert_entry(k, v) and any(matches_pattern(n, k) for n in names.values())
+        if k not in (embed_name, head_name) and not is_expert_entry(k, v)
+        and (any(matches_pattern(n, k) for n in names.values()) or not any(matches_pattern(b, _parent(k)) for b in blocks))
     }
     if not layer_styles:
         raise PlanRefused(
@@ -134,6 +136,13 @@ def translate_tp_plan(
             parent = styles.setdefault(_parent(pattern), ["share_entry"])
             if style in SPLITS_HEADS and HEADS_RNG not in parent:
                 parent.append(HEADS_RNG)
+    for pattern in [p for p in styles if any(matches_pattern(b, p) for b in blocks)]:
+        # a dense MLP's shared entry whose pattern an MoE block matches too (Qwen3-MoE's mlp_only_layers): the
+        # block gathers its own input (hf_moe), so the entry is kept for the dense modules only, by name
+        spec = styles.pop(pattern)
+        for name in names.values():
+            if matches_pattern(name, pattern) and name not in blocks:
+                styles[name] = spec
     if embed_name:
         if embedding_style is not None:
             styles[embed_name] = embedding_style
