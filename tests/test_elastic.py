@@ -57,9 +57,11 @@ def _descendants(pid: int) -> list[int]:
     return kids + [g for k in kids for g in _descendants(k)]
 
 
-def _elastic_job(out: Path, kill_after_step: int) -> tuple[list[int], float]:
-    """Start 4 agents (--nnodes=3:4); once step ``kill_after_step`` is logged, SIGKILL node 3 (its agent and
-    its workers). Returns the survivors' exit codes and when the node died."""
+def _elastic_job(out: Path, kill_after_step: int, fault: str = "node") -> tuple[list[int], float]:
+    """Start 4 agents (--nnodes=3:4); once step ``kill_after_step`` is logged: ``"node"``, SIGKILL node 3 (its
+    agent and its workers); ``"rank"``, SIGKILL one worker (rank 5); ``"sigterm"``, SIGTERM to every worker
+    (a scheduler's preemption). Returns the exit codes of the agents expected to finish, and when the fault
+    struck."""
     from torch.distributed import TCPStore
 
     out.mkdir()
@@ -81,9 +83,13 @@ def _elastic_job(out: Path, kill_after_step: int) -> tuple[list[int], float]:
         while not any(r["step"] >= kill_after_step for r in _records(out, "rank", 0)):
             assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "the job did not reach the step"
             time.sleep(0.2)
-        _kill_tree(agents[3].pid)  # one node: its agent and its workers
+        if fault == "node":
+            _kill_tree(agents[3].pid)  # one node: its agent and its workers
+        else:
+            for rank in [5] if fault == "rank" else range(8):
+                os.kill(int((out / f"pid{rank}").read_text()), signal.SIGKILL if fault == "rank" else signal.SIGTERM)
         died = time.time()
-        codes = [agent.wait(timeout=600) for agent in agents[:3]]
+        codes = [agent.wait(timeout=600) for agent in (agents[:3] if fault == "node" else agents)]
     finally:  # nothing outlives the test (the workers run in sessions of their own)
         for agent in agents:
             _kill_tree(agent.pid)
@@ -100,18 +106,21 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-@pytest.mark.slow
-def test_a_job_that_loses_a_node_continues_on_the_rest_on_the_exact_stream(tmp_path):
-    reference_dir = tmp_path / "reference"
-    reference_dir.mkdir()
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """The same 12 steps at a global batch of 24 on 8 ranks, without a fault."""
+    reference_dir = tmp_path_factory.mktemp("reference")
     reference = subprocess.run(
         [TORCHRUN, "--nnodes=1", "--nproc-per-node=8", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
          str(WORKER), str(reference_dir), "full12_24", "20"],
         env=ENV, capture_output=True, text=True, timeout=600,
     )
     assert reference.returncode == 0, reference.stderr[-3000:]
-    uninterrupted = _global_losses(reference_dir, range(8), attempt=0)
+    return _global_losses(reference_dir, range(8), attempt=0)
 
+
+@pytest.mark.slow
+def test_a_job_that_loses_a_node_continues_on_the_rest_on_the_exact_stream(tmp_path, uninterrupted):
     out = tmp_path / "elastic"
     codes, died = _elastic_job(out, kill_after_step=4)
     assert codes == [0, 0, 0], [(out / f"agent{n}.log").read_text()[-3000:] for n in range(3)]
@@ -136,3 +145,30 @@ def test_a_job_that_loses_a_node_continues_on_the_rest_on_the_exact_stream(tmp_p
         "first_step_s": round(after[resumed_at]["time"] - start["train_start"], 1),
         "death_to_training_again_s": round(after[resumed_at]["time"] - died, 1),
     }))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["rank", "sigterm"])
+def test_a_killed_rank_or_a_sigterm_to_all_restarts_at_the_same_size_on_the_exact_stream(tmp_path, uninterrupted, fault):
+    """The same elastic job, every node kept: SIGKILL of one worker (its agent restarts the group; every
+    node rendezvouses again) resumes from the last complete checkpoint; SIGTERM to every worker writes a
+    checkpoint at the signal's step, which ``ckpt_path="last"`` finds, so the restart loses no step. Both
+    finish on 8 ranks with the uninterrupted run's losses."""
+    out = tmp_path / fault
+    codes, _ = _elastic_job(out, kill_after_step=4, fault=fault)
+    assert codes == [0, 0, 0, 0], [(out / f"agent{n}.log").read_text()[-3000:] for n in range(4)]
+    rank0 = _records(out, "rank", 0)
+    before = [r["step"] for r in rank0 if r["attempt"] == 0]
+    last = max(r["attempt"] for r in rank0)
+    after = {r["step"]: r for r in rank0 if r["attempt"] == last}
+    events = [e for e in _records(out, "events", 0) if e["attempt"] == last]
+    assert last >= 1 and events and events[-1]["world"] == 8 and max(after) == 12
+    if fault == "sigterm":  # the checkpoint at the signal's step: nothing done is lost
+        saved = sorted((out / "ckpt").glob("last-interrupted-step*.ckpt"))
+        assert len(saved) == 1, sorted(p.name for p in (out / "ckpt").iterdir())
+        step = int(saved[0].name[len("last-interrupted-step"):].split(".")[0])
+        assert min(after) == step + 1 and step >= max(before)
+    else:
+        assert min(after) <= max(before) + 1
+    resumed = _global_losses(out, range(8), attempt=last)
+    np.testing.assert_allclose([resumed[s] for s in sorted(resumed)], [uninterrupted[s] for s in sorted(resumed)], rtol=1e-5)

@@ -62,17 +62,17 @@ def test_sigterm_writes_a_checkpoint_at_the_step_and_exits_saying_interrupted(in
     said = [line for line in job.output().splitlines() if "training interrupted by" in line]
     assert said and "is complete. Resume with trainer.fit(..., ckpt_path=" in said[0], job.output()[-4000:]
     assert any("training interrupted by signal SIGTERM at step" in line for line in said)  # rank 0 got it
-    saved = sorted((job.out / "ckpt").glob("interrupted-step*.ckpt"))
+    saved = sorted((job.out / "ckpt").glob("last-interrupted-step*.ckpt"))
     assert len(saved) == 1 and (saved[0] / MANIFEST).is_file(), sorted(p.name for p in (job.out / "ckpt").iterdir())
-    step = int(saved[0].name[len("interrupted-step"):].split(".")[0])
+    step = int(saved[0].name[len("last-interrupted-step"):].split(".")[0])
     assert 3 <= step < 12 and step <= max(_losses(job)) + 2  # within two steps of the signal
     assert "Traceback" not in job.output() and "failed" not in " ".join(job.lines())
 
 
 def test_the_interrupted_checkpoint_resumes_exactly(interrupted):
     root, jobs = interrupted
-    saved = next((jobs["every"].out / "ckpt").glob("interrupted-step*.ckpt"))
-    step = int(saved.name[len("interrupted-step"):].split(".")[0])
+    saved = next((jobs["every"].out / "ckpt").glob("last-interrupted-step*.ckpt"))
+    step = int(saved.name[len("last-interrupted-step"):].split(".")[0])
     resumed = Job(root / "resumed", "resume", 2, RESUME_FROM=str(saved))
     try:
         assert resumed.rank0.wait(timeout=START_S + 60) == 0, resumed.output()[-4000:]

@@ -9,7 +9,7 @@ rank at once, could leave ranks waiting on each other (2 runs of 3 hung in the i
 Here the handler only records the signal. At every optimizer step the ranks agree on "did any rank
 get one" with one MAX all-reduce of a single integer, issued asynchronously and read at the next
 step (no wait on the device in the step). Once it says yes, every rank saves a checkpoint together
-(``interrupted-stepNNNNNN.ckpt`` in the ModelCheckpoint's directory, or ``<default_root_dir>/
+(``last-interrupted-stepNNNNNN.ckpt`` in the ModelCheckpoint's directory, or ``<default_root_dir>/
 checkpoints``) and raises :class:`TrainingInterrupted`, which names the checkpoint to resume from.
 The checkpoint is written within two optimizer steps of the signal plus one save; a grace period
 shorter than that loses the job to SIGKILL like any crash, and the last complete checkpoint stays.
@@ -60,7 +60,9 @@ def interrupted_path(trainer: Any) -> Path:
     """Where the checkpoint at the signal goes: the ModelCheckpoint's directory, else the default root's."""
     callback = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.dirpath), None)
     directory = Path(callback.dirpath) if callback is not None else Path(trainer.default_root_dir) / "checkpoints"
-    return directory / f"interrupted-step{trainer.global_step:06d}.ckpt"  # (no '=': Hydra overrides take it unquoted)
+    # (no '=': Hydra overrides take it unquoted; "last-": Lightning's ckpt_path="last" takes the newest such file in
+    # a ModelCheckpoint's directory, so a restarted job -- torchrun's --max-restarts -- resumes at the signal's step)
+    return directory / f"last-interrupted-step{trainer.global_step:06d}.ckpt"
 
 
 def slurm_requeue(trainer: Any) -> Optional[SLURMEnvironment]:
