@@ -119,9 +119,13 @@ class Seen(L.Callback):
         self.steps.append(([row[:6].tolist() for row in batch[0]], float(loss)))
 
 
-def _fit(steps: int, callbacks: list[Any], ckpt_path: Any = None, text: bool = False, **strategy: Any) -> list[Any]:
+def _fit(steps: int, callbacks: list[Any], ckpt_path: Any = None, text: bool = False, fixed: bool = False, **strategy: Any) -> list[Any]:
+    """``fixed``: the user's loader keeps 2 samples per replica at any size, and the strategy keeps the global
+    batch by gradient accumulation (``global_batch_size``)."""
     from lightning_3d import ThreeDParallelStrategy
 
+    if fixed:
+        strategy["global_batch_size"] = GLOBAL_BATCH
     L.seed_everything(0)
     seen = Seen()
     trainer = quiet_trainer(
@@ -134,9 +138,10 @@ def _fit(steps: int, callbacks: list[Any], ckpt_path: Any = None, text: bool = F
     if text:  # our token windows, whose loader resumes by the same cursor
         trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH), ckpt_path=ckpt_path)
     else:
-        loader = DataLoader(Windows(), batch_size=GLOBAL_BATCH // dp, shuffle=True, drop_last=True)
+        loader = DataLoader(Windows(), batch_size=2 if fixed else GLOBAL_BATCH // dp, shuffle=True, drop_last=True)
         trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
     assert isinstance(trainer.train_dataloader.sampler, GlobalCursorSampler)
+    assert trainer.accumulate_grad_batches == (GLOBAL_BATCH // (2 * dp) if fixed else 1)
     return seen.steps
 
 
@@ -144,14 +149,16 @@ def first_world(root: str, kinds: tuple[str, ...] = ("", "text")) -> dict[str, A
     checks = {}
     for kind in kinds:
         every = ModelCheckpoint(dirpath=Path(root) / f"ckpt{kind}", save_last=True, every_n_train_steps=SAVE_AT)
-        checks[f"full{kind}"] = lambda k=kind: _fit(STEPS, [], text=bool(k))
-        checks[f"first{kind}"] = lambda k=kind, c=every: _fit(SAVE_AT, [c], text=bool(k))
+        checks[f"full{kind}"] = lambda k=kind: _fit(STEPS, [], text=k == "text", fixed=k == "fixed")
+        checks[f"first{kind}"] = lambda k=kind, c=every: _fit(SAVE_AT, [c], text=k == "text", fixed=k == "fixed")
     return run_checks(checks)
 
 
 def resumed_world(root: str, kinds: tuple[str, ...] = ("", "text"), **strategy: Any) -> dict[str, Any]:  # new processes, another layout
     return run_checks({
-        f"resumed{kind}": lambda k=kind: _fit(STEPS, [], ckpt_path=str(Path(root) / f"ckpt{k}" / "last.ckpt"), text=bool(k), **strategy)
+        f"resumed{kind}": lambda k=kind: _fit(
+            STEPS, [], ckpt_path=str(Path(root) / f"ckpt{k}" / "last.ckpt"), text=k == "text", fixed=k == "fixed", **strategy
+        )
         for kind in kinds
     })
 
@@ -167,8 +174,17 @@ def _per_step(results: list[dict[str, Any]], name: str) -> list[tuple[list[list[
     ]
 
 
-def _check_resume(first: list[dict[str, Any]], resumed: list[dict[str, Any]], kind: str = "") -> None:
-    full, after = _per_step(first, f"full{kind}"), _per_step(resumed, f"resumed{kind}")
+def _optimizer_steps(micro: list[tuple[list[list[int]], float]], accumulation: int) -> list[tuple[list[list[int]], float]]:
+    """Loader batches grouped into optimizer steps: their samples together, and the sum of their losses
+    (Lightning hands callbacks each loss divided by the accumulation)."""
+    return [
+        (sorted(s for ids, _ in micro[i : i + accumulation] for s in ids), float(np.sum([loss for _, loss in micro[i : i + accumulation]])))
+        for i in range(0, len(micro), accumulation)
+    ]
+
+
+def _check_resume(first: list[dict[str, Any]], resumed: list[dict[str, Any]], kind: str = "", accumulation: int = 1) -> None:
+    full, after = _per_step(first, f"full{kind}"), _optimizer_steps(_per_step(resumed, f"resumed{kind}"), accumulation)
     assert len(after) == STEPS - SAVE_AT
     assert [ids for ids, _ in after] == [ids for ids, _ in full[SAVE_AT:]]
     np.testing.assert_allclose([loss for _, loss in after], [loss for _, loss in full[SAVE_AT:]], rtol=1e-5)
@@ -180,12 +196,22 @@ def _check_resume(first: list[dict[str, Any]], resumed: list[dict[str, Any]], ki
 @pytest.fixture(scope="module")
 def dp4_then_dp2() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     root = tempfile.mkdtemp(prefix="l3d-cursor-")
-    return run_on_ranks(first_world, 4, root, timeout=600), run_on_ranks(resumed_world, 2, root, timeout=600)
+    kinds = ("", "text", "fixed")
+    return run_on_ranks(first_world, 4, root, kinds, timeout=600), run_on_ranks(resumed_world, 2, root, kinds, timeout=600)
 
 
 @pytest.mark.parametrize("kind", ["", "text"], ids=["users-dataset", "token-windows"])
 def test_resumed_at_another_dp_it_sees_the_uninterrupted_runs_samples(dp4_then_dp2, kind):
     _check_resume(*dp4_then_dp2, kind=kind)
+
+
+def test_a_fixed_per_replica_batch_keeps_the_global_batch_by_accumulating_at_the_new_dp(dp4_then_dp2):
+    """ThreeDParallelStrategy(global_batch_size=8) with a loader of 2 samples per replica: no accumulation at
+    dp4, 2 micro-batches per step at dp2. The checkpoint (3 loader batches of 8 samples) resumes as 6 of 4:
+    each optimizer step then takes the same 8 samples as the uninterrupted dp4 run's, with its loss. Without
+    the strategy's global batch the resume is refused (the loader batch changed size)."""
+    first, resumed = dp4_then_dp2
+    _check_resume(first, resumed, kind="fixed", accumulation=2)
 
 
 @pytest.mark.slow

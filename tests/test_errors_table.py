@@ -151,6 +151,14 @@ def with_world_size(value: str) -> None:
             os.environ["WORLD_SIZE"] = previous
 
 
+def _accumulation(global_batch: int, batch_size: int, replicas: int, current: int) -> int:
+    from torch.utils.data import DataLoader
+
+    from lightning_3d.data.sampler import accumulation_for
+
+    return accumulation_for(global_batch, DataLoader(list(range(64)), batch_size=batch_size), replicas, current)
+
+
 def hf_model(kind: str) -> nn.Module:
     import transformers
 
@@ -355,6 +363,9 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "config-timeout-type": raises(ValueError, lambda: ParallelConfig(timeout="soon")),
     "config-timeout-sign": raises(ValueError, lambda: ParallelConfig(timeout=-5)),
     "strategy-bucket-size": raises(ValueError, lambda: ThreeDParallelStrategy(bucket_size_mb=0)),
+    "strategy-global-batch": raises(ValueError, lambda: ThreeDParallelStrategy(global_batch_size=0)),
+    "data-global-batch-divides": raises(ValueError, lambda: _accumulation(12, batch_size=4, replicas=2, current=1)),
+    "data-global-batch-accumulation": raises(ValueError, lambda: _accumulation(16, batch_size=4, replicas=2, current=4)),
     "strategy-start-method": raises(ValueError, lambda: ThreeDParallelStrategy(start_method="thread")),
     # ZeRO & optimizers
     "zero3-pipeline": raises(NotImplementedError, lambda: ThreeDParallelStrategy(zero_stage=3, pipeline_parallel=2)),

@@ -243,9 +243,21 @@ class RuntimeOptions:
         _set(self, timeout=_to_timedelta(self.timeout), replica_check_every=parse_replica_check_every(self.replica_check_every))
 
 
+@dataclass(frozen=True)
+class DataOptions:
+    """How many samples an optimizer step takes, whatever the data-parallel size (elastic restarts)."""
+
+    global_batch_size: Optional[int] = None  # None: the loaders' batches and the Trainer's accumulation decide
+
+    def __post_init__(self) -> None:
+        g = self.global_batch_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(f"global_batch_size={g!r} is invalid: give the samples per optimizer step (a positive integer), or None.")
+
+
 GROUPS: dict[str, type] = {
     "layout": LayoutOptions, "sharding": ShardingOptions, "pipeline": PipelineOptions,
-    "recompute": RecomputeOptions, "checkpoint": CheckpointOptions, "runtime": RuntimeOptions,
+    "recompute": RecomputeOptions, "checkpoint": CheckpointOptions, "runtime": RuntimeOptions, "data": DataOptions,
 }
 # The strategy's keyword -> (group, field): the one place the public names meet the groups.
 KEYWORDS: dict[str, tuple[str, str]] = {
@@ -261,6 +273,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "async_checkpoint": ("checkpoint", "async_save"),
     "keep_last_k": ("checkpoint", "keep_last_k"),
     **{f.name: ("runtime", f.name) for f in fields(RuntimeOptions)},
+    "global_batch_size": ("data", "global_batch_size"),
 }
 
 
@@ -277,6 +290,7 @@ class ParallelConfig:
     recompute: RecomputeOptions
     checkpoint: CheckpointOptions
     runtime: RuntimeOptions
+    data: DataOptions
 
     def __init__(self, **keywords: Any) -> None:
         unknown = sorted(set(keywords) - set(KEYWORDS))

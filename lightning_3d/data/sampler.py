@@ -105,9 +105,13 @@ class ResumableDataLoader(DataLoader):
     under another strategy), which is right only at the same layout.
     """
 
-    def __init__(self, *args: Any, progress: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, progress: Optional[Callable[[], int]] = None, recount: Optional[Callable[[int, int], None]] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.progress = progress
+        self.recount = recount  # (batches done at the checkpoint's size, at this size): the loop's progress recounted
         self._skip = 0
 
     def _replicas(self) -> int:
@@ -130,18 +134,23 @@ class ResumableDataLoader(DataLoader):
         per_batch = self.samples_per_batch()
         saved = int(state.get("samples_per_batch", per_batch or 0))
         if isinstance(self.sampler, GlobalCursorSampler) and per_batch is not None:
+            consumed = int(state.get("samples_consumed", done * saved))
             if saved != per_batch:
-                raise ValueError(
-                    f"resuming with {self.batch_size} samples per batch on each of {self._replicas()} data-parallel "
-                    f"replicas ({per_batch} per loader batch), where the checkpoint's run took {saved}: Lightning counts an "
-                    f"epoch's progress in loader batches, so keep the global batch and gradient accumulation as they were "
-                    f"(TextDataModule(global_batch_size=...) adapts the per-replica batch to any data-parallel size)."
-                )
+                if self.recount is None or consumed % per_batch:
+                    raise ValueError(
+                        f"resuming with {self.batch_size} samples per batch on each of {self._replicas()} data-parallel "
+                        f"replicas ({per_batch} per loader batch), where the checkpoint's run took {saved}"
+                        + (f" and stopped after {consumed} samples, not a whole number of such batches" if self.recount else "")
+                        + ": Lightning counts an epoch's progress in loader batches, so keep the samples per optimizer step "
+                        "(ThreeDParallelStrategy(global_batch_size=...) derives the gradient accumulation from it at any "
+                        "data-parallel size; TextDataModule(global_batch_size=...) adapts the per-replica batch)."
+                    )
+                self.recount(done, consumed // per_batch)
             epoch = int(state.get("epoch", self.sampler.epoch))
-            if done >= len(self):  # the checkpoint ended its epoch: the next one starts at its beginning
+            if consumed >= len(self) * per_batch:  # the checkpoint ended its epoch: the next one starts at its beginning
                 self.sampler.start_at(0, epoch + 1)
             else:
-                self.sampler.start_at(int(state.get("samples_consumed", done * saved)), epoch)
+                self.sampler.start_at(consumed, epoch)
         else:
             self._skip = done
 
@@ -165,7 +174,18 @@ def batches_done_this_epoch(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
-def with_global_cursor(loader: Any, progress: Callable[[], int]) -> Any:
+def recount_batches(trainer: Any, saved: int, now: int) -> None:
+    """The training loop's restored progress in this epoch, ``saved`` loader batches of the checkpoint's
+    size, recounted as ``now`` batches of this run's (the same samples: a restart at another
+    data-parallel size with the same samples per optimizer step). Every counter moves by the same
+    amount, so their differences (a batch started but not completed) stay."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(tracker, name, getattr(tracker, name) + now - saved)
+
+
+def with_global_cursor(loader: Any, progress: Callable[[], int], recount: Optional[Callable[[int, int], None]] = None) -> Any:
     """``loader`` with a :class:`GlobalCursorSampler` in place of the ``DistributedSampler`` Lightning gave
     it, as a :class:`ResumableDataLoader` whose state is the cursor; any other loader unchanged (a custom
     DataLoader class, batch sampler or sampler, an iterable dataset: their order is theirs)."""
@@ -184,4 +204,31 @@ def with_global_cursor(loader: Any, progress: Callable[[], int]) -> Any:
     if hasattr(loader, "in_order"):
         kwargs["in_order"] = loader.in_order
     existing = getattr(loader, "progress", None)
-    return ResumableDataLoader(loader.dataset, progress=existing or progress, **kwargs)
+    return ResumableDataLoader(loader.dataset, progress=existing or progress, recount=getattr(loader, "recount", None) or recount, **kwargs)
+
+
+def accumulation_for(global_batch: int, loader: Any, replicas: int, current: int) -> int:
+    """The gradient accumulation that makes an optimizer step take ``global_batch`` samples with
+    ``loader``'s batch on each of the ``replicas`` data-parallel replicas. ``current``: the Trainer's
+    value, which must be 1 (its default) or that one; anything that does not divide is refused,
+    naming the numbers."""
+    batch = getattr(loader, "batch_size", None)
+    if batch is None:
+        raise ValueError(
+            f"global_batch_size={global_batch} needs the training loader's batch_size to derive the gradient accumulation; "
+            f"this loader has a batch sampler of its own. Use a DataLoader(batch_size=...), or global_batch_size=None."
+        )
+    per_step = int(batch) * replicas
+    if global_batch % per_step:
+        raise ValueError(
+            f"global_batch_size={global_batch} is not a whole number of loader batches: {batch} samples on each of {replicas} "
+            f"data-parallel replicas take {per_step} per batch. Choose a global batch that {per_step} divides, or a per-replica "
+            f"batch size that divides {global_batch // replicas if global_batch % replicas == 0 else global_batch} evenly."
+        )
+    accumulation = global_batch // per_step
+    if current not in (1, accumulation):
+        raise ValueError(
+            f"global_batch_size={global_batch} derives accumulate_grad_batches={accumulation} ({batch} samples x {replicas} "
+            f"replicas x {accumulation}), but the Trainer has accumulate_grad_batches={current}; set only one of them."
+        )
+    return accumulation

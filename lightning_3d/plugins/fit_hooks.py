@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lightning_3d.core import rank_zero
-from lightning_3d.data.sampler import batches_done_this_epoch, with_global_cursor
+from lightning_3d.data.sampler import accumulation_for, batches_done_this_epoch, recount_batches, with_global_cursor
 from lightning_3d.plugins.checks import check_before_first_step
 from lightning_3d.plugins.precision import ThreeDPrecision
 from lightning_3d.resilience.fault import mark_failed
@@ -32,6 +32,7 @@ class FitHooks:
     root_device: Any
     lightning_module: Any
     precision_plugin: Any
+    distributed_sampler_kwargs: Any
 
     def on_train_start(self) -> None:
         """Before the first step: refuse a batch the configured micro-batch count cannot split, and
@@ -46,7 +47,14 @@ class FitHooks:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None:
             return dataloader
-        return with_global_cursor(dataloader, lambda: batches_done_this_epoch(trainer))
+        keep = self.config.data.global_batch_size
+        if keep is None:
+            return with_global_cursor(dataloader, lambda: batches_done_this_epoch(trainer))
+        loader = with_global_cursor(dataloader, lambda: batches_done_this_epoch(trainer), lambda saved, now: recount_batches(trainer, saved, now))
+        if trainer.training:  # (the training loader: evaluation keeps its batches)
+            replicas = int(self.distributed_sampler_kwargs["num_replicas"])  # (the data-parallel size, whatever the sampler)
+            trainer.accumulate_grad_batches = accumulation_for(keep, loader, replicas, trainer.accumulate_grad_batches)
+        return loader
 
     def _install_fit_callbacks(self, trainer: Trainer) -> None:
         """The callbacks the strategy brings while fitting: the SIGTERM handling (a checkpoint at the

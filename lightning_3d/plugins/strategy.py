@@ -110,6 +110,9 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         process_group_backend: defaults to ``nccl`` on GPUs and ``gloo`` on CPUs.
         start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
             or ``"spawn"``/``"fork"``/``"forkserver"``. Ignored under torchrun or SLURM.
+        global_batch_size: samples per optimizer step: the gradient accumulation is derived from the training
+            loader's batch and the data-parallel size at every start, so a restart on fewer or more ranks keeps
+            it (docs/elastic.md); ``None``: the Trainer's ``accumulate_grad_batches``.
     """
 
     strategy_name = STRATEGY_NAME
@@ -144,6 +147,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        global_batch_size: Optional[int] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
