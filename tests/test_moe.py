@@ -388,3 +388,39 @@ def test_hugging_face_moe_families_are_counted_with_their_experts(family):
     assert shape.top_k == config.num_experts_per_tok
     routed_per_token = shape.moe_layers * shape.top_k * 3 * shape.hidden * shape.expert_ffn
     assert shape.active_parameters == shape.num_parameters - experts + routed_per_token
+
+
+@pytest.mark.parametrize("family", ["MixtralConfig", "Qwen3MoeConfig", "OlmoeConfig", "DeepseekV3Config"])
+def test_the_experts_dispatch_computes_what_transformers_does(family):
+    """One process, one MoE block: the block with its experts' call replaced by lightning_3d.moe's
+    dispatch (models/adapters/hf_moe.py) gives transformers' output and gradients (fp32), and under
+    bf16 autocast stays within bf16 rounding of transformers' own autocast result (the rows are weighted
+    and summed in the router weights' promoted dtype, as transformers does)."""
+    from lightning_3d.core.forward_wrappers import unwrap_forward, wrap_forward
+    from lightning_3d.models.adapters import hf_moe
+
+    torch.manual_seed(0)
+    model = _tiny_hf_moe(family)
+    _, block = hf_moe.moe_blocks(model)[0]
+    experts = block.experts
+    x = torch.randn(2, 5, 16)
+
+    def run(autocast: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = block(inputs)
+        out.float().square().sum().backward()
+        return out.detach().float(), [inputs.grad.clone(), *(p.grad.clone() for p in (experts.gate_up_proj, experts.down_proj, block.gate.weight))]
+
+    theirs, theirs_bf16 = run(False), run(True)
+    wrap_forward(experts, hf_moe.EXPERTS_KIND, hf_moe._experts_forward(experts, experts.gate_up_proj.shape[0], None, None))
+    try:
+        ours, ours_bf16 = run(False), run(True)
+    finally:
+        unwrap_forward(experts, hf_moe.EXPERTS_KIND)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_bf16[0], theirs_bf16[0], rtol=2e-2, atol=2e-2)
+    assert not torch.equal(ours_bf16[0], ours[0])  # (autocast did compute in bf16)
