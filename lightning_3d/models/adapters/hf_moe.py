@@ -302,7 +302,8 @@ def _family_loss_agrees(model: nn.Module, n_experts: int, top_k: int) -> bool:
     sums (checked on a random sample, with and without padding, from a generator of its own)."""
     import sys
 
-    theirs = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    # (the modeling module of the model's class, or of the class it was made from: ZeRO-3's FSDP2 subclasses it)
+    theirs = next((f for c in type(model).__mro__ if (f := getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None))), None)
     if theirs is None:
         return False
     generator = torch.Generator().manual_seed(0)
