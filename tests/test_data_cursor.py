@@ -119,9 +119,21 @@ class Seen(L.Callback):
         self.steps.append(([row[:6].tolist() for row in batch[0]], float(loss)))
 
 
-def _fit(steps: int, callbacks: list[Any], ckpt_path: Any = None, text: bool = False, fixed: bool = False, **strategy: Any) -> list[Any]:
+class StopAt(L.Callback):
+    """Stops training after step SAVE_AT (its checkpoint written): a run planned for STEPS, cut short."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int) -> None:
+        if trainer.global_step >= SAVE_AT:
+            trainer.should_stop = True
+
+
+def _fit(
+    steps: int, callbacks: list[Any], ckpt_path: Any = None, text: bool = False, fixed: bool = False, early: bool = False,
+    **strategy: Any,
+) -> list[Any]:
     """``fixed``: the user's loader keeps 2 samples per replica at any size, and the strategy keeps the global
-    batch by gradient accumulation (``global_batch_size``)."""
+    batch by gradient accumulation (``global_batch_size``). ``early``: the schedule's length comes from
+    ``trainer.estimated_stepping_batches``, which makes Lightning build the loader before the restore."""
     from lightning_3d import ThreeDParallelStrategy
 
     if fixed:
@@ -131,9 +143,10 @@ def _fit(steps: int, callbacks: list[Any], ckpt_path: Any = None, text: bool = F
     trainer = quiet_trainer(
         max_steps=steps, limit_val_batches=0, callbacks=[seen, *callbacks], enable_checkpointing=bool(callbacks),
         precision="32-true", strategy=ThreeDParallelStrategy(**strategy),
+        max_epochs=1 if early else None,  # (with max_epochs, estimated_stepping_batches builds the loader to count)
     )
     model = tiny_gpt()
-    model.hparams.decay_steps = STEPS
+    model.hparams.decay_steps = None if early else STEPS  # (None: configure_optimizers reads estimated_stepping_batches)
     dp = world_shape()[0] // (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1))
     if text:  # our token windows, whose loader resumes by the same cursor
         trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH), ckpt_path=ckpt_path)
@@ -149,15 +162,19 @@ def first_world(root: str, kinds: tuple[str, ...] = ("", "text")) -> dict[str, A
     checks = {}
     for kind in kinds:
         every = ModelCheckpoint(dirpath=Path(root) / f"ckpt{kind}", save_last=True, every_n_train_steps=SAVE_AT)
-        checks[f"full{kind}"] = lambda k=kind: _fit(STEPS, [], text=k == "text", fixed=k == "fixed")
-        checks[f"first{kind}"] = lambda k=kind, c=every: _fit(SAVE_AT, [c], text=k == "text", fixed=k == "fixed")
+        checks[f"full{kind}"] = lambda k=kind: _fit(STEPS, [], text=k == "text", fixed=k == "fixed", early=k == "early")
+        # (early: the whole run's schedule, stopped after the checkpoint at SAVE_AT, as the uninterrupted run's)
+        checks[f"first{kind}"] = lambda k=kind, c=every: _fit(
+            STEPS if k == "early" else SAVE_AT, [c, StopAt()] if k == "early" else [c], text=k == "text", fixed=k == "fixed", early=k == "early"
+        )
     return run_checks(checks)
 
 
 def resumed_world(root: str, kinds: tuple[str, ...] = ("", "text"), **strategy: Any) -> dict[str, Any]:  # new processes, another layout
     return run_checks({
         f"resumed{kind}": lambda k=kind: _fit(
-            STEPS, [], ckpt_path=str(Path(root) / f"ckpt{k}" / "last.ckpt"), text=k == "text", fixed=k == "fixed", **strategy
+            STEPS, [], ckpt_path=str(Path(root) / f"ckpt{k}" / "last.ckpt"), text=k == "text", fixed=k == "fixed", early=k == "early",
+            **strategy,
         )
         for kind in kinds
     })
@@ -196,12 +213,15 @@ def _check_resume(first: list[dict[str, Any]], resumed: list[dict[str, Any]], ki
 @pytest.fixture(scope="module")
 def dp4_then_dp2() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     root = tempfile.mkdtemp(prefix="l3d-cursor-")
-    kinds = ("", "text", "fixed")
+    kinds = ("", "text", "fixed", "early")
     return run_on_ranks(first_world, 4, root, kinds, timeout=600), run_on_ranks(resumed_world, 2, root, kinds, timeout=600)
 
 
-@pytest.mark.parametrize("kind", ["", "text"], ids=["users-dataset", "token-windows"])
+@pytest.mark.parametrize("kind", ["", "text", "early"], ids=["users-dataset", "token-windows", "schedule-from-estimated-steps"])
 def test_resumed_at_another_dp_it_sees_the_uninterrupted_runs_samples(dp4_then_dp2, kind):
+    """(``early``: configure_optimizers reads trainer.estimated_stepping_batches, so Lightning builds the loader
+    before the checkpoint's state is restored and never hands it that state: the resume restarted the epoch
+    at its first sample, in silence, until the strategy had the loader built again after the restore.)"""
     _check_resume(*dp4_then_dp2, kind=kind)
 
 

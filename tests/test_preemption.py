@@ -162,15 +162,15 @@ def requeued(tmp_path_factory):
     return dict(first=first, codes=codes, stopped=stopped, second=second, resumed=resumed)
 
 
-def test_slurm_requeue_signal_writes_the_hpc_checkpoint_and_requeues_the_job(requeued):
+def test_slurm_requeue_signal_writes_a_checkpoint_and_requeues_the_job(requeued):
     """Lightning's own handler saves inside the signal handler, on the ranks that got it (a collective
-    save on one rank hangs); here every rank stops at the same step, writes Lightning's hpc_ckpt_1, and
+    save on one rank hangs); here every rank stops at the same step, writes the signal's checkpoint, and
     rank 0 runs ``scontrol requeue JOB`` once, before any rank exits."""
     first = requeued["first"]
     assert requeued["codes"] == [EXIT_CODE, EXIT_CODE], first.output()[-4000:]
     assert requeued["stopped"] < STOP_S
-    saved = sorted(first.out.glob("hpc_ckpt_*"))
-    assert [p.name for p in saved] == ["hpc_ckpt_1.ckpt"] and (saved[0] / MANIFEST).is_file(), first.output()[-4000:]
+    saved = sorted((first.out / "ckpt").glob("last-interrupted-step*.ckpt"))
+    assert len(saved) == 1 and (saved[0] / MANIFEST).is_file(), first.output()[-4000:]
     assert first.scontrol.read_text().splitlines() == [f"requeue {JOB_ID}"]
     said = [line for line in first.output().splitlines() if "(SLURM requeue) at step" in line]
     assert len(said) == 2 and all(f"SLURM job {JOB_ID} is requeued" in line for line in said), first.output()[-4000:]
@@ -178,12 +178,12 @@ def test_slurm_requeue_signal_writes_the_hpc_checkpoint_and_requeues_the_job(req
 
 
 def test_the_requeued_job_resumes_from_it_with_its_command_unchanged(requeued, interrupted):
-    """The same command, ckpt_path=None: Lightning resumes a SLURM job from its newest hpc checkpoint,
-    and the steps after it are the uninterrupted run's."""
+    """The same command, ckpt_path="last": Lightning takes the newest last* checkpoint, the signal's, and
+    the steps after it are the uninterrupted run's."""
     second = requeued["second"]
     assert requeued["resumed"] == [0, 0], second.output()[-4000:]
     before, after = second.steps(0, 0), second.steps(0, 1)
-    step = int(read_manifest(second.out / "hpc_ckpt_1.ckpt")["step"])
+    step = int(read_manifest(next((second.out / "ckpt").glob("last-interrupted-step*.ckpt")))["step"])
     assert 3 <= step <= max(before) + 1 and sorted(after) == list(range(step + 1, 13))  # (within a step of the signal)
     full = _losses(interrupted[1]["full"])
     np.testing.assert_allclose([after[s] for s in sorted(after)], [full[s] for s in sorted(after)], rtol=1e-5)

@@ -174,12 +174,30 @@ def batches_done_this_epoch(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
+def reload_loader_built_before_restore(trainer: Any) -> bool:
+    """Have the training loader built again if it was built before the checkpoint's loop state came in.
+
+    Lightning builds it early when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``
+    (a schedule over the whole run), before it restores the checkpoint, and then never hands the loader
+    the state it saved: the resumed epoch would start again at its first sample, in silence. Dropping
+    that loader makes the fit loop build it once more after the restore, with the state. Returns
+    whether it did."""
+    loop = trainer.fit_loop
+    if getattr(loop, "_combined_loader", None) is not None and getattr(loop, "_combined_loader_states_to_load", None):
+        loop._combined_loader = None
+        return True
+    return False
+
+
 def recount_batches(trainer: Any, saved: int, now: int) -> None:
     """The training loop's restored progress in this epoch, ``saved`` loader batches of the checkpoint's
     size, recounted as ``now`` batches of this run's (the same samples: a restart at another
     data-parallel size with the same samples per optimizer step). Every counter moves by the same
-    amount, so their differences (a batch started but not completed) stay."""
+    amount, so their differences (a batch started but not completed) stay. Once only: a second training
+    loader finds the progress already recounted."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.current.processed != saved:
+        return
     for tracker in (progress.current, progress.total):
         for name in ("ready", "started", "processed", "completed"):
             setattr(tracker, name, getattr(tracker, name) + now - saved)

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_3d.checkpoint.formats import JobState
 from lightning_3d.checkpoint.manager import ShardedCheckpointer
+from lightning_3d.data.sampler import reload_loader_built_before_restore
 from lightning_3d.pipeline.runtime import PipelineRuntime, pipeline_runtime_of
 from lightning_3d.resilience.launch_guard import note_checkpoint
 
@@ -61,6 +62,8 @@ class CheckpointHooks:
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._format.load_optimizer_states(self._job(), checkpoint)
+        if self.lightning_module is not None:  # (Lightning restores the loops just before the optimizers)
+            reload_loader_built_before_restore(self.lightning_module.trainer)
 
     @property
     def checkpointer(self) -> ShardedCheckpointer:

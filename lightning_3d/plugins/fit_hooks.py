@@ -53,7 +53,10 @@ class FitHooks:
         loader = with_global_cursor(dataloader, lambda: batches_done_this_epoch(trainer), lambda saved, now: recount_batches(trainer, saved, now))
         if trainer.training:  # (the training loader: evaluation keeps its batches)
             replicas = int(self.distributed_sampler_kwargs["num_replicas"])  # (the data-parallel size, whatever the sampler)
-            trainer.accumulate_grad_batches = accumulation_for(keep, loader, replicas, trainer.accumulate_grad_batches)
+            current = trainer.accumulate_grad_batches
+            current = 1 if current == getattr(self, "_derived_accumulation", None) else current  # (ours, from an earlier fit)
+            self._derived_accumulation = accumulation_for(keep, loader, replicas, current)
+            trainer.accumulate_grad_batches = self._derived_accumulation
         return loader
 
     def _install_fit_callbacks(self, trainer: Trainer) -> None:
@@ -77,6 +80,10 @@ class FitHooks:
         mark_failed()
         if self._monitor is not None:
             self._monitor.report(exception)
+
+    def finalize_checkpoint(self) -> None:
+        """Commit an asynchronous save now (every rank; the SIGTERM / requeue handler's save before the job ends)."""
+        self._format.finalize()
 
     def on_train_end(self) -> None:
         self._format.finalize()  # an asynchronous save is committed before fit returns

@@ -17,14 +17,14 @@ shorter than that loses the job to SIGKILL like any crash, and the last complete
 SLURM requeue. Under SLURM with Lightning's auto-requeue (the default ``SLURMEnvironment``), the job
 asks for a signal before its time limit (``#SBATCH --signal=USR1@90``). Lightning's handler saves a
 checkpoint inside the signal handler, on whichever ranks got it: with collective checkpoints that
-can hang or interleave with the step's collectives. Here that signal is recorded like SIGTERM and
-agreed at the step (the MAX of 2 for the requeue signal, 1 for SIGTERM); every rank then writes
-Lightning's HPC checkpoint (``hpc_ckpt_N.ckpt`` in ``default_root_dir``, ``N`` agreed between the
-ranks), which a requeued job's ``fit`` resumes from with ``ckpt_path=None`` as Lightning does on
-SLURM; for the requeue signal rank 0 runs ``scontrol requeue`` for the job and tells every rank the
-outcome before they stop. A SIGTERM under SLURM (a preemption, which SLURM requeues itself when its
-preemption mode says so) writes the same HPC checkpoint, so either way the requeued job resumes at
-the signal's step without a change to its command.
+can hang or interleave with the step's collectives. While training, that handler is replaced (a
+user's own handler for the signal is left alone, as Lightning leaves it): the signal is recorded like
+SIGTERM and agreed at the step (the MAX of 2 for the requeue signal, 1 for SIGTERM); every rank
+writes the same checkpoint as for SIGTERM and commits it (an asynchronous save too), then rank 0 runs
+``scontrol requeue`` for the job and tells every rank the outcome before they stop. The requeued
+job resumes with ``ckpt_path="last"``, which finds that checkpoint (``last-`` prefix). Lightning's own
+``hpc_ckpt_N`` files are not used: Lightning finds the newest by the digits in every file name
+holding ``hpc_ckpt_``, so a save cut off by the kill (its staging folder) would stop every restart.
 """
 
 from __future__ import annotations
@@ -71,15 +71,6 @@ def slurm_requeue(trainer: Any) -> Optional[SLURMEnvironment]:
     return environment if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
 
 
-HPC_NAME = re.compile(r"hpc_ckpt_(\d+)")  # Lightning's HPC checkpoints, the newest of which a SLURM job resumes from
-
-
-def next_hpc_version(root: Path) -> int:
-    """The number of the next HPC checkpoint in ``root`` (1 for the first), as Lightning numbers them."""
-    found = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := HPC_NAME.match(p.name))]
-    return max(found, default=0) + 1
-
-
 def slurm_job_id() -> str:
     """The job ``scontrol requeue`` takes: ``ARRAYJOB_TASK`` for an array task, else ``SLURM_JOB_ID``."""
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -92,10 +83,18 @@ def slurm_job_id() -> str:
 def requeue(job: str) -> tuple[int, str]:
     """``scontrol requeue JOB``: (its exit code, what it said); 127 when there is no ``scontrol``."""
     try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as err:
         return 127, str(err)
     return done.returncode, (done.stderr or done.stdout).strip()
+
+
+def _lightnings(handler: Any) -> bool:
+    """Whether ``handler`` is Lightning's composed signal handler (its handlers bound to its connector)."""
+    handlers = getattr(handler, "signal_handlers", None)
+    return isinstance(handlers, list) and bool(handlers) and all(
+        type(getattr(h, "__self__", None)).__name__ == "_SignalConnector" for h in handlers
+    )
 
 
 class PreemptionHandler(Callback):
@@ -103,7 +102,6 @@ class PreemptionHandler(Callback):
 
     def __init__(self) -> None:
         self.received: Optional[int] = None
-        self._slurm = False
         self._requeue_signal: Optional[int] = None
         self._pending: Optional[tuple[Any, torch.Tensor]] = None
         self._last_step = -1
@@ -115,7 +113,7 @@ class PreemptionHandler(Callback):
         self._device = device
 
     def _note(self, signum: int, frame: Any) -> None:  # a signal handler: no collectives, no I/O
-        if self.received is None:
+        if self.received is None or signum == self._requeue_signal:  # (a requeue request outranks a SIGTERM)
             self.received = signum
         for handler in self._chained if signum == signal.SIGTERM else ():  # the user's own, which Lightning had composed
             handler(signum, frame)
@@ -125,7 +123,6 @@ class PreemptionHandler(Callback):
         # training (Lightning's broadcasts inside the handler); the user's handlers it composed still run
         self.received, self._pending, self._last_step = None, None, -1  # (a new fit starts clean)
         slurm = slurm_requeue(trainer)
-        self._slurm = slurm is not None
         self._requeue_signal = slurm.requeue_signal if slurm is not None else None
         if threading.current_thread() is threading.main_thread():
             self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._note)}
@@ -134,8 +131,11 @@ class PreemptionHandler(Callback):
                 h for h in (handlers if isinstance(handlers, list) else [])
                 if callable(h) and not type(getattr(h, "__self__", None)).__name__ == "_SignalConnector"
             ]
-            if self._requeue_signal is not None:  # (Lightning's handler there saves inside the signal handler)
+            current = signal.getsignal(self._requeue_signal) if self._requeue_signal not in (None, signal.SIGTERM) else None
+            if current is not None and _lightnings(current):  # (it saves inside the signal handler; a user's own stays)
                 self._previous[self._requeue_signal] = signal.signal(self._requeue_signal, self._note)
+            else:
+                self._requeue_signal = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -175,28 +175,27 @@ class PreemptionHandler(Callback):
 
     def _stop(self, trainer: Any, requeue_job: bool = False) -> None:
         step = trainer.global_step
-        if self._slurm:  # Lightning's HPC checkpoint: a requeued job resumes from it with ckpt_path=None
-            root = Path(trainer.default_root_dir)
-            path = root / f"hpc_ckpt_{self._agreed(next_hpc_version(root))}.ckpt"  # (listed before any rank writes)
-        else:
-            path = interrupted_path(trainer)
+        path = interrupted_path(trainer)
+        job = slurm_job_id() if requeue_job else ""  # (before the save: a missing id fails on every rank alike)
         trainer.save_checkpoint(str(path))  # every rank: they decided together
+        finalize = getattr(trainer.strategy, "finalize_checkpoint", None)
+        if callable(finalize):
+            finalize()  # an asynchronous save committed before anything else (the requeue ends the job)
         what = f"signal {signal.Signals(self.received).name}" if self.received is not None else "a peer's signal"
         if requeue_job:
-            job, (code, said) = slurm_job_id(), requeue(slurm_job_id()) if trainer.is_global_zero else (0, "")
+            code, said = requeue(job) if trainer.is_global_zero else (0, "")
             code = self._agreed(code)  # every rank waits for rank 0's requeue, and knows how it went
             outcome = (
-                f"SLURM job {job} is requeued: it resumes from this checkpoint as it starts (ckpt_path=None)." if code == 0
+                f"SLURM job {job} is requeued: it resumes from this checkpoint with ckpt_path=\"last\"." if code == 0
                 else f"`scontrol requeue {job}` failed (exit {code}{': ' + said if said else ''}); resubmit the job, which "
-                f"resumes from this checkpoint (ckpt_path=None), or resume with ckpt_path={str(path)!r}."
+                f"resumes from this checkpoint with ckpt_path=\"last\" (or ckpt_path={str(path)!r})."
             )
             raise TrainingInterrupted(
                 f"lightning_3d: training interrupted by {what} (SLURM requeue) at step {step}; the checkpoint {path} is "
                 f"complete. {outcome}", str(path), step,
             )
-        resume = " (ckpt_path=None resumes from it on SLURM)" if self._slurm else ""
         raise TrainingInterrupted(
             f"lightning_3d: training interrupted by {what} at step {step}; the checkpoint {path} is complete. "
-            f"Resume with trainer.fit(..., ckpt_path={str(path)!r}) (recipes: ckpt_path={path}){resume}.",
+            f"Resume with trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path=\"last\" (recipes: ckpt_path={path}).",
             str(path), step,
         )

@@ -12,8 +12,7 @@
                                  kills a node's agent), resumed from the last checkpoint at whatever size restarts
           | full12_24            the same 12 steps at a global batch of 24, uninterrupted (the reference)
           | slurm                the sigterm run as one rank of a SLURM job (SLURM_* variables set by the test, no
-                                 launcher; checkpoints of a signal in OUT, Lightning's default_root_dir), resumed by
-                                 Lightning from the newest hpc_ckpt when one is there (a requeued job)
+                                 launcher), with ckpt_path="last" (a requeued job resumes from the signal's checkpoint)
 
 With RANK in the environment the process is one rank of a job started by hand or by torchrun;
 without it, it is rank 0 and Lightning's launcher starts DEVICES - 1 more (start_method="popen").
@@ -100,10 +99,9 @@ trainer = quiet_trainer(
     callbacks=[Record()] + ([] if mode == "slow" else [checkpoint]),
     strategy=ThreeDParallelStrategy(timeout=timeout),
     **({} if launched_by_hand else {"devices": devices or 2, "num_nodes": 1}),
-    **({"default_root_dir": str(out)} if mode == "slurm" else {}),
 )
 batch = 24 if mode in ("elastic_node", "full12_24") else 8 if launched_by_hand else 2 * (devices or 2)
-resume_from = "last" if mode in ("elastic", "elastic_node") else os.environ.get("RESUME_FROM") if mode == "resume" else None
+resume_from = "last" if mode in ("elastic", "elastic_node", "slurm") else os.environ.get("RESUME_FROM") if mode == "resume" else None
 try:
     trainer.fit(tiny_gpt(lr=3e-3), tiny_data(global_batch_size=batch), ckpt_path=resume_from)
 except TrainingInterrupted as interrupted:  # what a script does to exit as a scheduler expects
