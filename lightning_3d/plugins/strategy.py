@@ -83,8 +83,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         expert_parallel: ranks that split MoE layers' experts, taken from data x context parallel (docs/moe.md).
         zero_stage: 0 (plain data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
         sequence_parallel: shard layer norms/dropout activations along the sequence (needs tp > 1).
-        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_v"`` or
-            ``"dualpipe_v"`` (docs/pipeline.md).
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_v"``, ``"dualpipe_v"``.
         micro_batches: micro-batches per step and pipeline; ``None`` picks a divisor of the batch.
         virtual_stages: model chunks per pipeline rank (interleaved 1F1B).
         activation_checkpointing: ``None``, ``"full"`` (recompute whole blocks) or ``"selective"``
@@ -110,9 +109,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         process_group_backend: defaults to ``nccl`` on GPUs and ``gloo`` on CPUs.
         start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
             or ``"spawn"``/``"fork"``/``"forkserver"``. Ignored under torchrun or SLURM.
-        global_batch_size: samples per optimizer step: the gradient accumulation is derived from the training
-            loader's batch and the data-parallel size at every start, so a restart on fewer or more ranks keeps
-            it (docs/elastic.md); ``None``: the Trainer's ``accumulate_grad_batches``.
+        global_batch_size: samples per optimizer step at any data-parallel size: the accumulation is derived (docs/elastic.md).
     """
 
     strategy_name = STRATEGY_NAME
