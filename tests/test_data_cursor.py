@@ -171,13 +171,19 @@ def first_world(root: str, kinds: tuple[str, ...] = ("", "text")) -> dict[str, A
 
 
 def resumed_world(root: str, kinds: tuple[str, ...] = ("", "text"), **strategy: Any) -> dict[str, Any]:  # new processes, another layout
-    return run_checks({
+    checks = {
         f"resumed{kind}": lambda k=kind: _fit(
             STEPS, [], ckpt_path=str(Path(root) / f"ckpt{k}" / "last.ckpt"), text=k == "text", fixed=k == "fixed", early=k == "early",
-            **strategy,
+            # (fixed: an elastic policy that lets dp shrink to 2, as this restart does)
+            **({"elastic": {"min_data_parallel": 2}} if k == "fixed" else {}), **strategy,
         )
         for kind in kinds
-    })
+    }
+    if "fixed" in kinds and not strategy:  # policies this dp4 -> dp2 restart breaks: refused before step 1
+        last = str(Path(root) / "ckptfixed" / "last.ckpt")
+        checks["policy-min"] = lambda: _fit(STEPS, [], ckpt_path=last, fixed=True, elastic={"min_data_parallel": 4})
+        checks["policy-nothing"] = lambda: _fit(STEPS, [], ckpt_path=last, fixed=True, elastic={"may_change": []})
+    return run_checks(checks)
 
 
 def _per_step(results: list[dict[str, Any]], name: str) -> list[tuple[list[list[int]], float]]:
@@ -231,7 +237,20 @@ def test_a_fixed_per_replica_batch_keeps_the_global_batch_by_accumulating_at_the
     each optimizer step then takes the same 8 samples as the uninterrupted dp4 run's, with its loss. Without
     the strategy's global batch the resume is refused (the loader batch changed size)."""
     first, resumed = dp4_then_dp2
-    _check_resume(first, resumed, kind="fixed", accumulation=2)
+    _check_resume(first, resumed, kind="fixed", accumulation=2)  # (under elastic={"min_data_parallel": 2})
+
+
+def test_an_elastic_policy_refuses_a_restart_it_does_not_allow(dp4_then_dp2):
+    """elastic=...: a restart below min_data_parallel, or one that changes a degree may_change does not
+    name (here dp 4 -> 2 with nothing allowed), stops every rank before step 1, saying why and how out."""
+    _, resumed = dp4_then_dp2
+    for name, said in (
+        ("policy-min", "data_parallel=2 (2 processes), below its min_data_parallel=4; start on more nodes"),
+        ("policy-nothing", "this restart changes dp 4 -> 2 from the checkpoint's layout, but the policy lets only nothing change"),
+    ):
+        for rank in resumed:
+            error = rank[name].get("error", "") if isinstance(rank[name], dict) else ""
+            assert said in error, error[-2000:]
 
 
 @pytest.mark.slow

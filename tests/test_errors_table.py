@@ -364,6 +364,7 @@ REFUSALS: dict[str, Callable[[], Observed]] = {
     "config-timeout-sign": raises(ValueError, lambda: ParallelConfig(timeout=-5)),
     "strategy-bucket-size": raises(ValueError, lambda: ThreeDParallelStrategy(bucket_size_mb=0)),
     "strategy-global-batch": raises(ValueError, lambda: ThreeDParallelStrategy(global_batch_size=0)),
+    "strategy-elastic-names": raises(ValueError, lambda: ThreeDParallelStrategy(elastic={"may_change": ["bogus"]})),
     "data-global-batch-divides": raises(ValueError, lambda: _accumulation(12, batch_size=4, replicas=2, current=1)),
     "data-global-batch-accumulation": raises(ValueError, lambda: _accumulation(16, batch_size=4, replicas=2, current=4)),
     "strategy-start-method": raises(ValueError, lambda: ThreeDParallelStrategy(start_method="thread")),

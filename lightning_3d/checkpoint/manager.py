@@ -204,6 +204,7 @@ class ShardedCheckpointer:
         if same_layout:  # same ranks, same roles: resume their random streams too
             self._restore_rng(reader)
         checkpoint["lightning_3d_checkpoint"] = str(reader.path)
+        checkpoint["lightning_3d_layout"] = dict(reader.manifest["layout"])  # (what an elastic policy compares)
         return checkpoint
 
     @staticmethod

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
@@ -243,16 +243,61 @@ class RuntimeOptions:
         _set(self, timeout=_to_timedelta(self.timeout), replica_check_every=parse_replica_check_every(self.replica_check_every))
 
 
+LAYOUT_NAMES = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "virtual_stages")  # what a sharded checkpoint records
+
+
+@dataclass(frozen=True)
+class ElasticPolicy:
+    """What a restart may change (docs/elastic.md): at least ``min_data_parallel`` replicas, and of the
+    checkpoint's layout only the names in ``may_change`` (``"dp"``: a lost node shrinks data parallelism;
+    add ``"tp"``, ``"pp"``, ... where a re-plan, the recipes' ``parallel=auto``, may change them)."""
+
+    min_data_parallel: int = 1
+    may_change: tuple[str, ...] = ("dp",)
+
+    def __post_init__(self) -> None:
+        m = self.min_data_parallel
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"elastic min_data_parallel={m!r} is invalid: give a positive integer.")
+        object.__setattr__(self, "may_change", tuple(self.may_change))
+        unknown = sorted(set(self.may_change) - set(LAYOUT_NAMES))
+        if unknown:
+            raise ValueError(f"elastic may_change={list(self.may_change)}: {unknown} are not layout names; choose among {list(LAYOUT_NAMES)}.")
+
+    def refusal(self, saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
+        """Why resuming a checkpoint of layout ``saved`` at ``current`` breaks the policy (None: it does not)."""
+        changed = [f"{k} {saved.get(k, 1)} -> {current[k]}" for k in LAYOUT_NAMES if k in current and k not in self.may_change
+                   and saved.get(k, 1) != current[k]]
+        if not changed:
+            return None
+        return (
+            f"elastic policy: this restart changes {', '.join(changed)} from the checkpoint's layout, but the policy lets only "
+            f"{list(self.may_change) or 'nothing'} change; run with the checkpoint's degrees, or add them to "
+            f"elastic=dict(may_change=[...])."
+        )
+
+
+def _elastic_policy(value: Any) -> Optional[ElasticPolicy]:
+    if value is None or isinstance(value, ElasticPolicy):
+        return value
+    if isinstance(value, Mapping):
+        return ElasticPolicy(**dict(value))
+    raise ValueError(f"elastic={value!r} is invalid: give an ElasticPolicy, a dict of its fields, or None.")
+
+
 @dataclass(frozen=True)
 class DataOptions:
-    """How many samples an optimizer step takes, whatever the data-parallel size (elastic restarts)."""
+    """How many samples an optimizer step takes, whatever the data-parallel size, and what a restart may
+    change (elastic training)."""
 
     global_batch_size: Optional[int] = None  # None: the loaders' batches and the Trainer's accumulation decide
+    elastic: Any = None  # an ElasticPolicy (a dict of its fields is taken); None: any restart layout reshards
 
     def __post_init__(self) -> None:
         g = self.global_batch_size
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
             raise ValueError(f"global_batch_size={g!r} is invalid: give the samples per optimizer step (a positive integer), or None.")
+        _set(self, elastic=_elastic_policy(self.elastic))
 
 
 GROUPS: dict[str, type] = {
@@ -274,6 +319,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "keep_last_k": ("checkpoint", "keep_last_k"),
     **{f.name: ("runtime", f.name) for f in fields(RuntimeOptions)},
     "global_batch_size": ("data", "global_batch_size"),
+    "elastic": ("data", "elastic"),
 }
 
 
@@ -335,7 +381,14 @@ class ParallelConfig:
                 world_size=world_size, processes_per_node=processes_per_node, ep=layout.expert_parallel,
             )
         )
-        return self.dims.resolve(world_size)
+        dims = self.dims.resolve(world_size)
+        policy = self.data.elastic
+        if policy is not None and dims.dp < policy.min_data_parallel:
+            raise ValueError(
+                f"elastic policy: this start has data_parallel={dims.dp} ({world_size} processes), below its "
+                f"min_data_parallel={policy.min_data_parallel}; start on more nodes, or lower min_data_parallel."
+            )
+        return dims
 
     def require_implemented(self) -> None:
         """Refuse, clearly, the combinations this version does not implement (``NotImplementedError``)."""

@@ -52,6 +52,10 @@ class CheckpointHooks:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         loaded = self._format.load(self._job(), Path(self.broadcast(str(checkpoint_path))), weights_only)
+        policy, saved = self.config.data.elastic, loaded.get("lightning_3d_layout")
+        why = policy.refusal(saved, self._job().layout) if policy is not None and saved is not None else None
+        if why:  # (every rank reads the same manifest: they all stop here, before any state is restored)
+            raise ValueError(f"{why} (checkpoint {checkpoint_path})")
         note_checkpoint(checkpoint_path)
         return loaded
 

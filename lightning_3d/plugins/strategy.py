@@ -35,6 +35,7 @@ from lightning_3d.core.config import (
     DEFAULT_BUCKET_MB,
     DEFAULT_TIMEOUT_S,
     KEYWORDS,
+    ElasticPolicy,
     ParallelConfig,
     check_accumulation,
     check_world_size_variable,
@@ -95,12 +96,9 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         timeout: seconds (or ``timedelta``) any collective may take before the job fails.
         tensor_parallel_plan: module-name patterns -> styles (:mod:`lightning_3d.tensor_parallel.plans`); ``None``
             uses the plan of each model a registered family knows (our GPT, any HF causal LM with a tp plan).
-        pipeline_partition: how layers are cut into stages: ``"uniform"``, ``"parameters"`` or a list of the
-            block indices where stages 2.. start.
-        checkpoint_format: ``"sharded"`` (a directory, each rank writes its pieces; loads under any layout)
-            or ``"consolidated"`` (one dense file, gathered; for small models).
-        async_checkpoint: write shards from a background thread; the checkpoint is committed at the next
-            checkpoint, at the end of training, or before a load.
+        pipeline_partition: ``"uniform"``, ``"parameters"`` or the block indices where stages 2.. start.
+        checkpoint_format: ``"sharded"`` (each rank writes its pieces; loads under any layout) or ``"consolidated"``.
+        async_checkpoint: write shards from a background thread (committed at the next save, load or fit's end).
         keep_last_k: keep only the newest k complete checkpoints in a checkpoint directory.
         health_check: a heartbeat watchdog that ends the job, naming the rank, when a peer dies or freezes.
         replica_check_every: check that replicated parameters (tp, tied, dp copies) stay equal every N steps
@@ -110,6 +108,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         start_method: how Lightning starts local ranks: ``"popen"`` (re-run the script, like ``ddp``),
             or ``"spawn"``/``"fork"``/``"forkserver"``. Ignored under torchrun or SLURM.
         global_batch_size: samples per optimizer step at any data-parallel size: the accumulation is derived (docs/elastic.md).
+        elastic: what a restart may change (``ElasticPolicy`` or a dict: ``min_data_parallel``, ``may_change``).
     """
 
     strategy_name = STRATEGY_NAME
@@ -145,6 +144,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         global_batch_size: Optional[int] = None,
+        elastic: Optional[Union[ElasticPolicy, dict[str, Any]]] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
