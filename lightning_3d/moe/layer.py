@@ -98,6 +98,37 @@ def sorted_rows(routing: Routing, n_experts: int, keep: Optional[int] = None, se
     return order // k, weights[order], counts
 
 
+def enter_tensor_parallel_share(x: Tensor, tp: Any, sequence_parallel: bool) -> Tensor:
+    """The input of an MoE layer whose tp ranks each compute a share of the output from every token: whole
+    (gathered over tp under sequence parallelism); its gradients, partial on each rank, are summed (reduce-
+    scattered under SP) on the way back."""
+    return gather_from_sequence_parallel(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
+
+
+def leave_tensor_parallel_share(out: Tensor, tp: Any, sequence_parallel: bool) -> Tensor:
+    """The tp ranks' shares of an MoE layer's output summed (reduce-scattered to the sequence shards under SP)."""
+    return reduce_scatter_to_sequence_parallel(out, tp) if sequence_parallel else reduce_from_tensor_parallel(out, tp)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """forward: identity; backward: the gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:  # noqa: ANN001 - autograd's context
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        return grad * ctx.scale, None
+
+
+def backpropagate_share(value: Tensor, tp: Any) -> Tensor:
+    """``value`` (an auxiliary loss, router logits) that every tp rank computes alike from parameters whose
+    gradients are summed over tp: each rank keeps all of its value and backpropagates ``1 / tp`` of it."""
+    return _ScaleGradient.apply(value, 1.0 / dist.get_world_size(tp))
+
+
 def tensor_parallel_share(token_of_row: Tensor, weight_of_row: Tensor, counts: Tensor, local: int, tp: Any) -> tuple[Tensor, Tensor, Tensor]:
     """The rows (sorted by expert) of the experts this tp rank's expert group holds, ``local`` of them
     per rank. The experts are split over ``ep x tp`` ranks (ep-major: expert block ``b`` lives on
@@ -172,9 +203,8 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tp_group
-        if tp is not None:  # each tp rank computes a share of every path below: input gradients are partial
-            # (sequence parallel: every token first, the partial input gradients reduce-scattered back)
-            x = gather_from_sequence_parallel(x, tp) if self.sequence_parallel else copy_to_tensor_parallel(x, tp)
+        if tp is not None:  # each tp rank computes a share of every path below
+            x = enter_tensor_parallel_share(x, tp, self.sequence_parallel)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
@@ -189,13 +219,10 @@ class MoE(nn.Module):
         # (the auxiliary losses before the output's reduction: a recomputed forward, which stops once it has
         # rebuilt every saved tensor, then stops short of that collective, as a dense MLP's does)
         self.aux_loss = self._aux_loss(routing, sequences) if self.training and torch.is_grad_enabled() else None
-        if self.aux_loss is not None and tp is not None:
-            # every tp rank computes the same auxiliary loss; the router's gradients are summed over tp (its
-            # main-loss part is partial), so each rank backpropagates 1 / tp of it and reports all of it
-            share = self.aux_loss / dist.get_world_size(tp)
-            self.aux_loss = share + (self.aux_loss - share).detach()
+        if self.aux_loss is not None and tp is not None:  # (the same on every tp rank; the router's gradients are summed)
+            self.aux_loss = backpropagate_share(self.aux_loss, tp)
         if tp is not None:  # the tp ranks' shares: routed rows of their experts, their slice of the shared experts
-            out = reduce_scatter_to_sequence_parallel(out, tp) if self.sequence_parallel else reduce_from_tensor_parallel(out, tp)
+            out = leave_tensor_parallel_share(out, tp, self.sequence_parallel)
         return out
 
     def _aux_loss(self, routing: Routing, sequences: int) -> Optional[Tensor]:

@@ -89,12 +89,21 @@ def requeue(job: str) -> tuple[int, str]:
     return done.returncode, (done.stderr or done.stdout).strip()
 
 
-def _lightnings(handler: Any) -> bool:
-    """Whether ``handler`` is Lightning's composed signal handler (its handlers bound to its connector)."""
+def _composed(handler: Any) -> list[Any]:
+    """The handlers Lightning composed into ``handler`` (``[]``: not Lightning's composition)."""
     handlers = getattr(handler, "signal_handlers", None)
-    return isinstance(handlers, list) and bool(handlers) and all(
-        type(getattr(h, "__self__", None)).__name__ == "_SignalConnector" for h in handlers
-    )
+    return handlers if isinstance(handlers, list) else []
+
+
+def _from_lightning(handler: Any) -> bool:
+    """Whether ``handler`` is one of Lightning's own (bound to its signal connector)."""
+    return type(getattr(handler, "__self__", None)).__name__ == "_SignalConnector"
+
+
+def _lightnings(handler: Any) -> bool:
+    """Whether ``handler`` is Lightning's composed signal handler and nothing of the user's."""
+    handlers = _composed(handler)
+    return bool(handlers) and all(_from_lightning(h) for h in handlers)
 
 
 class PreemptionHandler(Callback):
@@ -126,11 +135,7 @@ class PreemptionHandler(Callback):
         self._requeue_signal = slurm.requeue_signal if slurm is not None else None
         if threading.current_thread() is threading.main_thread():
             self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._note)}
-            handlers = getattr(self._previous[signal.SIGTERM], "signal_handlers", None)
-            self._chained = [
-                h for h in (handlers if isinstance(handlers, list) else [])
-                if callable(h) and not type(getattr(h, "__self__", None)).__name__ == "_SignalConnector"
-            ]
+            self._chained = [h for h in _composed(self._previous[signal.SIGTERM]) if callable(h) and not _from_lightning(h)]
             current = signal.getsignal(self._requeue_signal) if self._requeue_signal not in (None, signal.SIGTERM) else None
             if current is not None and _lightnings(current):  # (it saves inside the signal handler; a user's own stays)
                 self._previous[self._requeue_signal] = signal.signal(self._requeue_signal, self._note)

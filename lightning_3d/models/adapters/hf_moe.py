@@ -38,14 +38,8 @@ from lightning_3d.core.forward_wrappers import wrap_forward
 from lightning_3d.models.adapters.base import model_parallel_degrees
 from lightning_3d.moe.expert_parallel import keep_slice, split_shared_experts
 from lightning_3d.moe.experts import grouped_mm
-from lightning_3d.moe.layer import run_experts
+from lightning_3d.moe.layer import backpropagate_share, enter_tensor_parallel_share, leave_tensor_parallel_share, run_experts
 from lightning_3d.moe.router import Routing
-from lightning_3d.tensor_parallel.mappings import (
-    copy_to_tensor_parallel,
-    gather_from_sequence_parallel,
-    reduce_from_tensor_parallel,
-    reduce_scatter_to_sequence_parallel,
-)
 from lightning_3d.tensor_parallel.spec import mark_sequence_parallel
 
 STACKS = ("gate_up_proj", "down_proj")
@@ -157,40 +151,26 @@ def _experts_forward(experts: nn.Module, n_experts: int, group: Any, tp: Any) ->
 
 def _block_forward(tp: Any, sequence_parallel: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The block under tensor parallelism: every tp rank routes every token and computes a share of the
-    output (its experts' rows, its slice of the shared experts), summed over tp; the input's gradients
-    are partial, summed on the way back."""
+    output (its experts' rows, its slice of the shared experts), summed over tp, as the reference GPT's
+    MoE layer does."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-            x = gather_from_sequence_parallel(hidden_states, tp) if sequence_parallel else copy_to_tensor_parallel(hidden_states, tp)
-            out = original(x, *args, **kwargs)
+            out = original(enter_tensor_parallel_share(hidden_states, tp, sequence_parallel), *args, **kwargs)
             if not isinstance(out, Tensor):
                 raise TypeError(
                     f"a Hugging Face MoE block under tensor parallelism returned {type(out).__name__}, not the hidden states "
                     f"(transformers 5's blocks return a tensor); use tensor_parallel=1 for this model."
                 )
-            return reduce_scatter_to_sequence_parallel(out, tp) if sequence_parallel else reduce_from_tensor_parallel(out, tp)
+            return leave_tensor_parallel_share(out, tp, sequence_parallel)
 
         return forward
 
     return make
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """forward: identity; backward: the gradient times ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, scale: float) -> Tensor:  # noqa: ANN001 - autograd's context
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
-        return grad * ctx.scale, None
-
-
-def _router_forward(tp_size: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _router_forward(tp: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Under tensor parallelism the router's logits, which transformers records for its router loss
     (``output_router_logits``), are the same on every tp rank, and the router's gradients are summed
     over tp: each rank backpropagates ``1 / tp`` of that loss (the block drops the logits otherwise)."""
@@ -200,7 +180,7 @@ def _router_forward(tp_size: int) -> Callable[[Callable[..., Any]], Callable[...
         def forward(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and out[0].requires_grad:
-                out = (_ScaleGradient.apply(out[0], 1.0 / tp_size), *out[1:])
+                out = (backpropagate_share(out[0], tp), *out[1:])
             return out
 
         return forward
@@ -231,7 +211,7 @@ def apply_expert_parallel(
         if tp is None:
             continue
         wrap_forward(block, BLOCK_KIND, _block_forward(tp, sequence_parallel))
-        wrap_forward(block.gate, ROUTER_KIND, _router_forward(dist.get_world_size(tp)))
+        wrap_forward(block.gate, ROUTER_KIND, _router_forward(tp))
         for p in block.gate.parameters():  # (its gradient is partial on each tp rank)
             mark_sequence_parallel(p, tp)
         shared = getattr(block, SHARED, None)
