@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) recipes/train.py $(ARGS)
 
+# Two pytest processes, one per core (tests/scripts/run_shards.py); ARGS (a file, -k ...) makes it one plain pytest.
+SHARDS ?= 2
 test: $(STAMP)
+ifeq ($(strip $(ARGS)),)
+	$(PY) tests/scripts/run_shards.py --shards $(SHARDS) -- -q -m "not slow" --durations=10
+else
 	$(PY) -m pytest -q -m "not slow" --durations=15 $(ARGS)
+endif
 
 # Tests marked slow (more tiny recipes end to end): run before a release; `make test` leaves them out.
 test-slow: $(STAMP)

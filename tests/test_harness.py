@@ -81,3 +81,17 @@ def test_device_mesh_matches_the_layout_arithmetic():
             assert r[dim] == dims.group_ranks(dim, rank)
         assert len({results[peer]["node"] for peer in r["tp"]}) == 1
         assert r["first"] == (r["coords"][0] == 0) and r["last"] == (r["coords"][0] == 1)
+
+
+def test_make_test_deals_every_test_file_to_exactly_one_shard_longest_first():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    from run_shards import deal, test_files
+
+    files = test_files()
+    seconds = {"tests/a.py": 9.0, "tests/b.py": 5.0, "tests/c.py": 4.0, "tests/d.py": 1.0}
+    assert deal(list(seconds), seconds, 2) == [["tests/a.py", "tests/d.py"], ["tests/b.py", "tests/c.py"]]
+    dealt = deal(files, {}, 2)
+    assert sorted(f for shard in dealt for f in shard) == files and "tests/test_harness.py" in files
+    assert abs(len(dealt[0]) - len(dealt[1])) <= 1  # unknown files count alike
