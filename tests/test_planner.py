@@ -696,3 +696,15 @@ def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsy
     with pytest.raises(SystemExit):  # Hydra would compose the shipped cluster of that name instead
         main(["profile", "--quick", "--name", "local_cpu", "--out", str(tmp_path)])
     assert "a shipped cluster has that name" in capsys.readouterr().err
+
+
+def test_tensor_parallel_collectives_carry_the_activation_precisions_bytes() -> None:
+    """fp32 activations are 4 bytes: the tp all-reduces of a 32-true run move twice a bf16 run's (the
+    planner had charged 2 bytes whatever the precision). Bandwidth-bound sizes, so twice the time."""
+    cluster = cluster_of("h100_80g_1node")
+    layout = Layout(dp=1, tp=8, pp=1, micro_batch_size=4)
+    times = {
+        precision: Planner(Problem(shape_of("gpt3_175b", seq_len=2048), cluster, 8, precision=precision)).evaluate(layout).time["tp_comm"]
+        for precision in ("bf16-mixed", "32-true")
+    }
+    assert times["32-true"] == pytest.approx(2 * times["bf16-mixed"], rel=0.1)

@@ -408,7 +408,7 @@ class Planner:
     def _layer_cost_uncached(self, mb: int, tp: int, sp: bool, recompute: str, cp: int = 1, mode: str = "ring", ep: int = 1):  # type: ignore[no-untyped-def]
         p = self.problem
         cost = layer_cost(
-            p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._group(1, tp), self.nccl, cp
+            p.model, p.cluster, mb, tp, sp, recompute, p.software.flash_attention, self._group(1, tp), self.nccl, cp, self.c
         )
         if p.software.tp_comm_overlap:  # chunked GEMMs hide the collectives they are longer than
             cost = replace(cost, tp_comm=max(0.0, cost.tp_comm - cost.forward - cost.backward))
@@ -483,7 +483,7 @@ class Planner:
         local_seq = model.seq_len / cp  # tokens of each sequence this device holds
         head_seconds = head_cost(model, cluster, mb, t, cp)
         if not p.software.tp_comm_overlap:
-            head_seconds += 2 * collective_cost("all_reduce", mb * local_seq * model.hidden * 2.0, self._group(1, t), self.nccl).seconds
+            head_seconds += 2 * collective_cost("all_reduce", mb * local_seq * model.hidden * c, self._group(1, t), self.nccl).seconds
         head_weight = head_seconds / cost.total if p.software.balanced_stages else 0.0
         layers, split_points = stage_layers(model.n_layer, pp, v, head_weight, layout.schedule in V_SHAPED)
         head_at = head_stage(layout.schedule, pp)

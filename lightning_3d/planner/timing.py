@@ -96,10 +96,12 @@ def layer_cost(
     tp_group: Group,
     nccl: NcclVersion,
     cp: int = 1,
+    activation_bytes: float = 2.0,
 ) -> MicroBatchCost:
     """One transformer layer, one micro-batch, on one device. With context parallelism ``cp`` the
     device holds ``s / cp`` of each sequence's tokens, and each of them still attends over the
-    (causal) full sequence: every term below is ``1 / cp`` of the cp=1 one."""
+    (causal) full sequence: every term below is ``1 / cp`` of the cp=1 one. ``activation_bytes``: an
+    activation element's size (2 under mixed precision, 4 in fp32), what the tp all-reduces carry."""
     device = cluster.device
     tokens = micro_batch * model.seq_len / cp
     gemm_rate = device.peak_tflops * 1e12 * device.gemm_efficiency
@@ -115,7 +117,7 @@ def layer_cost(
     forward = gemm_fwd + elem_fwd + overhead / 3
     backward = 2.0 * gemm_fwd + BACKWARD_FACTOR * elem_fwd + recompute_fwd + overhead * 2 / 3
     collectives = 4 + (2 if recompute == "full" else 0)  # two in forward, two in backward, two in recompute
-    activation = tokens * model.hidden * 2.0
+    activation = tokens * model.hidden * activation_bytes
     tp_comm = collectives * collective_cost("all_reduce", activation, tp_group, nccl).seconds
     linear = gemm_fwd * 2.0 * model.layer_active_matmul_params / model.layer_forward_flops_per_token()
     attention = gemm_fwd * model.attention_forward_flops_per_token() / model.layer_forward_flops_per_token()
