@@ -71,6 +71,21 @@ def test_dead_rank_is_reported():
         run_on_ranks(die_on_rank_zero, 2, timeout=60)
 
 
+def group_without_rank_zero_after_it_returned() -> float:
+    """Rank 0 returns at once; the others then make a group through the store that rank 0 hosts."""
+    if dist.get_rank() == 0:
+        return 0.0
+    time.sleep(1.0)
+    group = dist.new_group([1, 2], use_local_synchronization=True)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return float(t)
+
+
+def test_a_rank_that_finishes_first_keeps_the_store_for_the_others():
+    assert run_on_ranks(group_without_rank_zero_after_it_returned, 3, timeout=60) == [0.0, 2.0, 2.0]
+
+
 def test_device_mesh_matches_the_layout_arithmetic():
     """8 ranks as 4 simulated nodes of 2: tp groups are node-local, and the mesh agrees with ParallelDims."""
     dims = ParallelDims(dp=2, tp=2, pp=2)

@@ -38,16 +38,6 @@ from lightning_3d.core.dims import EXPERT_DIMS, MESH_DIMS, REPLICA_DIM, Coordina
 __all__ = ["EXPERT_DIMS", "MESH_DIMS", "REPLICA_DIM", "Coordinates", "Degree", "ParallelDims", "Topology", "current_topology", "use_topology"]
 
 
-# Every Topology built in this process, by (degrees, device type), for the default group under
-# "world". Each process group holds threads (gloo: three per group) or a communicator's device
-# buffers (NCCL) until it is destroyed, and a fit cannot destroy its groups at teardown: DTensors
-# made on its mesh (ZeRO-3's parameters) stay usable after fit, which needs them. So a second
-# strategy in the same process (a sweep, a new Trainer, the composition matrix's cells) reuses the
-# groups of a layout built before, and a process holds one set per distinct layout. Before this, 25
-# eight-rank fits had left 244 gloo groups and 735 threads in every rank (issue 33's full matrix).
-_BUILT: dict = {}
-
-
 class Topology:
     """A live layout: the ``DeviceMesh``, this rank's coordinates and its process groups.
 
@@ -72,18 +62,10 @@ class Topology:
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str = "cpu") -> "Topology":
-        """The mesh over the already initialized default process group (collective on all ranks the
-        first time): built once per layout and default group in a process, then reused (see
-        :data:`_BUILT`)."""
+        """Create the mesh over the already initialized default process group (collective on all ranks)."""
         dims = dims.resolve(dist.get_world_size())
-        world = dist.distributed_c10d._get_default_group()
-        if _BUILT.get("world") is not world:  # a new default group: the old one's subgroups went with it
-            _BUILT.clear()
-            _BUILT["world"] = world
-        key = (dims, device_type)
-        if key not in _BUILT:
-            _BUILT[key] = cls(dims, init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS))
-        return _BUILT[key]
+        mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+        return cls(dims, mesh)
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.replica_mesh.get_group() if dim == REPLICA_DIM else self.mesh.get_group(dim)

@@ -97,10 +97,29 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            _leave_together(rank, world_size, min(timeout, 60.0))
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _leave_together(rank: int, world_size: int, patience: float) -> None:
+    """Rank 0 hosts the store: it stays until every rank has finished (or ``patience`` s). A rank
+    done early must not take the store away from peers still using it: ``new_group`` connects a
+    group's members through it, and a rank outside the group returns at once (seen under load: rank 3
+    failed with 'Failed to recv, got 0 bytes' making a DeviceMesh that rank 0 was not part of)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("lightning_3d/harness/finished", 1)
+        if rank == 0:
+            deadline = time.monotonic() + patience
+            while store.add("lightning_3d/harness/finished", 0) < world_size and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - a peer's store connection already gone: nothing left to wait for
+        pass
 
 
 def _kill(procs: list) -> None:
