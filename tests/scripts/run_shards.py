@@ -10,7 +10,7 @@ work so far, by the seconds recorded in ``tests/file_seconds.json`` (a file not 
     python tests/scripts/run_shards.py [--shards N] -- PYTEST_ARGS...
 
 Each shard's output goes to its own log; when all are done the logs are printed in full, one after
-the other, and the exit status is the worst of the shards'. Any other pytest arguments (a file, -k)
+the other, and the exit status is the first failing shard's (1 for one killed by a signal). Any other pytest arguments (a file, -k)
 belong in a plain ``pytest`` call: ``make test ARGS=...`` makes one.
 """
 
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--record", metavar="JUNIT", help="rewrite tests/file_seconds.json from a pytest --junitxml file")
-    ours, _, pytest_args = _split(argv)
+    ours, pytest_args = _split(argv)
     args = parser.parse_args(ours)
     if args.record:
         record(args.record)
@@ -82,14 +82,16 @@ def main(argv: list[str]) -> int:
         print(f"\n===== shard {k} of {len(procs)}: {' '.join(Path(f).stem for f in files)} =====")
         print(Path(log.name).read_text(), end="")
     print(f"\n{len(procs)} shards, {time.monotonic() - started:.0f} s; exit codes {codes}")
-    return max(codes)
+    # the first failure's code; a shard killed by a signal (negative) fails too, which max() would hide
+    return next((code if code > 0 else 1 for code in codes if code), 0)
 
 
-def _split(argv: list[str]) -> tuple[list[str], str, list[str]]:
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """This script's arguments, and pytest's after ``--``."""
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], "--", argv[i + 1 :]
-    return argv, "", []
+        return argv[:i], argv[i + 1 :]
+    return argv, []
 
 
 if __name__ == "__main__":
