@@ -116,3 +116,75 @@ def test_non_positive_degrees_are_refused(kwargs, message):
 def test_tensor_parallel_spanning_nodes_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel=4 does not divide the 2 processes per node"):
         ParallelDims(dp=1, tp=4, pp=1).check_nodes(2)
+
+
+def _gloo_threads() -> int:
+    """Threads gloo's process groups hold in this process (two run loops and a TCP loop per group)."""
+    import os
+
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sum(name.startswith(("pt_gloo", "gloo_tcp")) for name in names)
+
+
+def _fits_in_one_world() -> dict:
+    from lightning_3d import ThreeDParallelStrategy
+    from lightning_3d.core.topology import Topology
+    from tests.helpers import quiet_trainer, tiny_data, tiny_gpt
+
+    first = Topology.build(ParallelDims(dp=1, tp=2))
+    threads = [_gloo_threads()]
+    for _ in range(2):  # the path of a sweep: a new Trainer and strategy per fit, same layout
+        trainer = quiet_trainer(strategy=ThreeDParallelStrategy(tensor_parallel=2), max_steps=1)
+        trainer.fit(tiny_gpt(), tiny_data())
+        threads.append(_gloo_threads())
+    other = Topology.build(ParallelDims(dp=2))
+    threads.append(_gloo_threads())
+    return {
+        "same": Topology.build(ParallelDims(dp=1, tp=2)) is first and Topology.build(ParallelDims(dp=2)) is other,
+        "tp group kept": first.tp_group is Topology.build(ParallelDims(tp=2)).tp_group,
+        "threads": threads,
+    }
+
+
+def test_fits_of_one_layout_in_one_process_reuse_its_process_groups():
+    """Issue 33's full matrix: every fit built a new mesh, so 25 eight-rank fits left 244 gloo groups
+    and 735 threads in each rank, most of them polling. A layout's groups are now built once per
+    process; another layout adds its own once."""
+    from lightning_3d.testing.harness import run_on_ranks
+
+    for result in run_on_ranks(_fits_in_one_world, 2, timeout=300):
+        assert result["same"] and result["tp group kept"], result
+        first, after_fit, after_second_fit, after_other = result["threads"]
+        assert after_fit == after_second_fit, result["threads"]  # (the first fit may add groups its layout makes lazily)
+        assert after_other > after_second_fit, result["threads"]  # a new layout does make groups (the count sees them)
+
+
+def _embedding_groups_on_a_reused_layout() -> dict:
+    import torch.distributed as dist
+
+    from lightning_3d.core.topology import Topology
+
+    counts = []
+    for _ in range(2):  # two fits of pp=3: the middle stage is in no embedding group
+        Topology.build(ParallelDims(dp=1, pp=3)).embedding_group()
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, dist.distributed_c10d._world.group_count)
+        counts.append(seen)
+    return {"counts": counts}
+
+
+def test_a_rank_outside_every_embedding_group_makes_none_again_on_a_reused_layout():
+    """The middle stage of pp=3 holds no tied embedding, so its embedding group is None; read as "not
+    made yet", the second fit made the groups again on that rank alone, torch numbered every later group
+    differently there, and the next new layout's set-up hung (the four-rank pipeline world at 900 s)."""
+    from lightning_3d.testing.harness import run_on_ranks
+
+    for result in run_on_ranks(_embedding_groups_on_a_reused_layout, 3, timeout=120):
+        for seen in result["counts"]:
+            assert len(set(seen)) == 1, result  # every rank has made as many groups

@@ -38,11 +38,22 @@ from lightning_3d.core.dims import EXPERT_DIMS, MESH_DIMS, REPLICA_DIM, Coordina
 __all__ = ["EXPERT_DIMS", "MESH_DIMS", "REPLICA_DIM", "Coordinates", "Degree", "ParallelDims", "Topology", "current_topology", "use_topology"]
 
 
+# Every Topology built in this process, by (degrees, device type), for the default group under
+# "world". Each process group holds threads (gloo: three per group) or a communicator's device
+# buffers (NCCL) until it is destroyed, and a fit cannot destroy its groups at teardown: DTensors
+# made on its mesh (ZeRO-3's parameters) stay usable after fit, which needs them. So a second
+# strategy in the same process (a sweep, a new Trainer, the composition matrix's cells) reuses the
+# groups of a layout built before, and a process holds one set per distinct layout. Before this, 25
+# eight-rank fits had left 244 gloo groups and 735 threads in every rank (issue 33's full matrix).
+_BUILT: dict = {}
+
+
 class Topology:
     """A live layout: the ``DeviceMesh``, this rank's coordinates and its process groups.
 
-    Built once by the strategy after the default process group exists, then passed explicitly
-    to whatever needs a group; nothing here is a module-level global.
+    Built by the strategy after the default process group exists, then passed explicitly to
+    whatever needs a group; no code finds a group through a global (:data:`_BUILT` only spares a
+    later fit of the same layout from making its groups again).
     """
 
     def __init__(self, dims: ParallelDims, mesh: DeviceMesh) -> None:
@@ -54,6 +65,10 @@ class Topology:
         # the replicas as (expert replicas, expert group): built only under expert parallelism
         self.expert_layout: Optional[DeviceMesh] = None
         self._expert_replicas: Optional[DeviceMesh] = None
+        # groups made on first use, collectively; "made" is recorded apart from the group because a rank
+        # outside every group of a family gets None, and a None read as "not made yet" would make that
+        # rank alone create groups again on a reused topology, shifting torch's group numbering on it
+        self._lazy: dict[str, Optional[dist.ProcessGroup]] = {}
         if dims.ep > 1:
             if not hasattr(self.replica_mesh, "_unflatten"):
                 raise RuntimeError(f"expert_parallel={dims.ep} needs torch >= 2.9 (DeviceMesh._unflatten); this is torch {torch.__version__}.")
@@ -62,10 +77,18 @@ class Topology:
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str = "cpu") -> "Topology":
-        """Create the mesh over the already initialized default process group (collective on all ranks)."""
+        """The mesh over the already initialized default process group (collective on all ranks the
+        first time): built once per layout and default group in a process, then reused (see
+        :data:`_BUILT`)."""
         dims = dims.resolve(dist.get_world_size())
-        mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
-        return cls(dims, mesh)
+        world = dist.distributed_c10d._get_default_group()
+        if _BUILT.get("world") is not world:  # a new default group: the old one's subgroups went with it
+            _BUILT.clear()
+            _BUILT["world"] = world
+        key = (dims, device_type)
+        if key not in _BUILT:
+            _BUILT[key] = cls(dims, init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS))
+        return _BUILT[key]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.replica_mesh.get_group() if dim == REPLICA_DIM else self.mesh.get_group(dim)
@@ -167,7 +190,7 @@ class Topology:
     def embedding_group(self) -> dist.ProcessGroup:
         """The first and last pipeline stage of this rank's (dp, tp) position: they hold copies of
         tied embedding/LM-head weights. Created on first use, collectively on every rank."""
-        if getattr(self, "_embedding_group", None) is None:
+        if "embedding" not in self._lazy:
             dims, mine = self.dims, None
             for dp in range(int(dims.dp)):
                 for cp in range(dims.cp):
@@ -177,8 +200,8 @@ class Topology:
                         group = dist.new_group(ranks)
                         if self.rank in ranks:
                             mine = group
-            self._embedding_group = mine
-        return self._embedding_group  # type: ignore[return-value]
+            self._lazy["embedding"] = mine
+        return self._lazy["embedding"]  # type: ignore[return-value]
 
     def dp_source_rank(self) -> int:
         """Global rank of rank 0 of this rank's :attr:`dp_group` (the source for replica broadcasts)."""
