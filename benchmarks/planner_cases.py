@@ -122,12 +122,14 @@ def search_speed(repeats: int = 3) -> dict[str, Any]:
 
 
 # Layouts of gpt_tiny (global batch 16) this machine runs on 1 or 2 CPU processes (outside a pipeline,
-# micro-batches below the global batch over dp are accumulated).
+# micro-batches below the global batch over dp are accumulated). An option a row leaves out gets the
+# planner's best completion, so each row spells out what tells it from the others: "tp=2" alone was
+# completed with sequence parallelism, and the table's tp2 row had measured tp2 + SP (until 2026-12-03).
 MEASURED_LAYOUTS = (
     "dp=1,tp=1,pp=1,mb=16", "dp=1,tp=1,pp=1,mb=16,recompute=full",
     "dp=2,tp=1,pp=1,mb=8,zero=0", "dp=2,tp=1,pp=1,mb=8,zero=1", "dp=2,tp=1,pp=1,mb=8,zero=2", "dp=2,tp=1,pp=1,mb=8,zero=3",
     "dp=2,tp=1,pp=1,mb=8,zero=1,recompute=full", "dp=2,tp=1,pp=1,mb=8,zero=2,offload=cpu",
-    "dp=1,tp=2,pp=1,mb=16", "dp=1,tp=2,pp=1,mb=16,sp=true",
+    "dp=1,tp=2,pp=1,mb=16,sp=false", "dp=1,tp=2,pp=1,mb=16,sp=true",
     "dp=1,tp=1,pp=2,mb=4,schedule=1f1b", "dp=1,tp=1,pp=2,mb=2,schedule=1f1b", "dp=1,tp=1,pp=2,mb=8,schedule=1f1b",
     "dp=1,tp=1,pp=2,mb=4,schedule=interleaved,v=2", "dp=1,tp=1,pp=2,mb=4,schedule=zb_h1",
 )
@@ -156,6 +158,19 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
+def planned_layouts(layouts: tuple[str, ...] = MEASURED_LAYOUTS, cfg: Any = None) -> list[tuple[str, Any, Any]]:
+    """Each layout text, its problem (on as many processes as it uses) and the planner's estimate for it."""
+    from lightning_3d.apps.plan_cli import parse_layout
+    from lightning_3d.planner import problem_from_config
+
+    planned = []
+    for text in layouts:
+        layout = parse_layout(text)
+        problem = _with_world(problem_from_config(cfg), layout["dp"] * layout["tp"] * layout["pp"])
+        planned.append((text, problem, best_completion(Planner(problem), layout)))
+    return planned
+
+
 def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = MEASURED_LAYOUTS) -> dict[str, Any]:
     """``lightning-3d profile`` on this machine, then for every layout the planner's step time and model
     state next to the measured ones (``plan --measure``'s runner, alternating over the layouts
@@ -166,8 +181,6 @@ def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = M
     from omegaconf import OmegaConf
 
     from lightning_3d.apps.measure import measure
-    from lightning_3d.apps.plan_cli import parse_layout
-    from lightning_3d.planner import problem_from_config
 
     with tempfile.TemporaryDirectory(prefix="l3d_profile_") as out:
         done = subprocess.run(
@@ -180,12 +193,7 @@ def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = M
         recipe = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(recipe, dict)
         recipe.pop("hydra", None)
-        planned = []
-        for text in layouts:
-            layout = parse_layout(text)
-            problem = problem_from_config(cfg)
-            problem = _with_world(problem, layout["dp"] * layout["tp"] * layout["pp"])
-            planned.append((text, problem, best_completion(Planner(problem), layout)))
+        planned = planned_layouts(layouts, cfg)
     runs: dict[str, list[dict[str, Any]]] = {text: [] for text in layouts}
     for _ in range(repeats):
         for text, problem, estimate in planned:

@@ -84,3 +84,24 @@ def test_bubbles_smoke(pc) -> None:
     for c in out["cells"]:
         assert 0.0 <= c["measured"] < 1.0 and 0.0 <= c["sim_at_costs"] < 1.0 and c["step_s"] > 0
     assert set(out["cells"][3]["costs_ms"]) == {"F", "I", "W"}  # zb_h1 splits its backwards
+
+
+def test_the_planner_table_measures_each_layout_its_row_names():
+    """Issue 37's predicted-vs-measured rows are completed by the planner: a row that leaves an option
+    out gets the best one, and "tp=2" was completed with sequence parallelism, so the table's tp2 row
+    had measured tp2 + SP twice. Every row now runs its own layout."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import planner_cases
+    finally:
+        sys.path.remove(str(BENCH))
+    cfg = planner_cases.compose_config(["cluster=local_cpu", "model=gpt_tiny", "data.global_batch_size=16", "trainer.precision=32-true"])
+    runs = {}
+    for text, problem, estimate in planner_cases.planned_layouts(cfg=cfg):
+        kwargs = estimate.layout.strategy_kwargs(problem.global_batch, estimate.split_points)
+        runs[text] = (repr(sorted(kwargs.items())), estimate.layout.micro_batches(problem.global_batch))
+        for option, key in (("sp=", "sequence_parallel"), ("zero=", "zero_stage")):
+            if option in text:
+                named = text.split(option)[1].split(",")[0]
+                assert str(kwargs[key]).lower() == named.lower(), (text, kwargs)
+    assert len(set(runs.values())) == len(runs), "two rows run the same layout"
