@@ -110,3 +110,18 @@ def test_make_test_deals_every_test_file_to_exactly_one_shard_longest_first():
     dealt = deal(files, {}, 2)
     assert sorted(f for shard in dealt for f in shard) == files and "tests/test_harness.py" in files
     assert abs(len(dealt[0]) - len(dealt[1])) <= 1  # unknown files count alike
+
+
+def test_the_shards_recorded_seconds_sum_every_shards_junit_per_file(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    import run_shards
+
+    for k, cases in enumerate([[("tests.test_a", 2.5), ("tests.test_a", 1.0)], [("tests.test_b", 4.0)]]):
+        rows = "".join(f'<testcase classname="{c}" name="t{i}" time="{t}"/>' for i, (c, t) in enumerate(cases))
+        (tmp_path / f"shard{k}.xml").write_text(f"<testsuites><testsuite>{rows}</testsuite></testsuites>")
+    monkeypatch.setattr(run_shards, "TABLE", tmp_path / "seconds.json")
+    run_shards.main(["--record", str(tmp_path / "shard0.xml"), str(tmp_path / "shard1.xml")])
+    assert json.loads((tmp_path / "seconds.json").read_text()) == {"tests/test_a.py": 3.5, "tests/test_b.py": 4.0}

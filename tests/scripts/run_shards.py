@@ -5,7 +5,8 @@ single-process tests use one core, subprocess jobs sleep while their ranks impor
 tests wait on deadlines. Two processes, each given whole test files (a file's module-scoped worlds
 stay in one process), fill that time. Files are dealt longest first to the shard with the least
 work so far, by the seconds recorded in ``tests/file_seconds.json`` (a file not listed counts as
-``DEFAULT_S``); ``--record JUNIT`` rewrites that table from a run's ``--junitxml``.
+``DEFAULT_S``); ``--record JUNIT...`` rewrites that table from a run's ``--junitxml`` files, and
+``--junit-dir DIR`` has each shard write ``DIR/shardK.xml`` for it.
 
     python tests/scripts/run_shards.py [--shards N] -- PYTEST_ARGS...
 
@@ -46,10 +47,11 @@ def deal(files: list[str], seconds: dict[str, float], shards: int) -> list[list[
     return dealt
 
 
-def record(junit: str) -> None:
+def record(junits: list[str]) -> None:
     per_file: dict[str, float] = defaultdict(float)
-    for case in ET.parse(junit).iter("testcase"):
-        per_file["tests/" + case.get("classname", "").split(".")[-1] + ".py"] += float(case.get("time", 0))
+    for junit in junits:
+        for case in ET.parse(junit).iter("testcase"):
+            per_file["tests/" + case.get("classname", "").split(".")[-1] + ".py"] += float(case.get("time", 0))
     TABLE.write_text(json.dumps({f: round(s, 1) for f, s in sorted(per_file.items())}, indent=1) + "\n")
     print(f"wrote {TABLE} ({len(per_file)} files, {sum(per_file.values()):.0f} s)")
 
@@ -57,7 +59,8 @@ def record(junit: str) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--record", metavar="JUNIT", help="rewrite tests/file_seconds.json from a pytest --junitxml file")
+    parser.add_argument("--record", metavar="JUNIT", nargs="+", help="rewrite tests/file_seconds.json from pytest --junitxml files")
+    parser.add_argument("--junit-dir", metavar="DIR", help="each shard writes DIR/shardK.xml (for --record)")
     ours, pytest_args = _split(argv)
     args = parser.parse_args(ours)
     if args.record:
@@ -70,7 +73,8 @@ def main(argv: list[str]) -> int:
     procs = []
     for k, files in enumerate(groups):
         log = open(logs / f"shard{k}.log", "w")
-        cmd = [sys.executable, "-m", "pytest", *pytest_args, "-p", "no:cacheprovider", f"--basetemp={logs / f'tmp{k}'}", *files]
+        junit = [f"--junitxml={Path(args.junit_dir).resolve() / f'shard{k}.xml'}"] if args.junit_dir else []
+        cmd = [sys.executable, "-m", "pytest", *pytest_args, *junit, "-p", "no:cacheprovider", f"--basetemp={logs / f'tmp{k}'}", *files]
         procs.append((k, files, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=TESTS.parent)))
         print(f"shard {k}: {len(files)} files, about {sum(seconds.get(f, DEFAULT_S) for f in files):.0f} s recorded; log {log.name}", flush=True)
     codes = []
