@@ -145,21 +145,37 @@ def _fits_in_one_world() -> dict:
         threads.append(_gloo_threads())
     other = Topology.build(ParallelDims(dp=2))
     threads.append(_gloo_threads())
-    return {
-        "same": Topology.build(ParallelDims(dp=1, tp=2)) is first and Topology.build(ParallelDims(dp=2)) is other,
-        "tp group kept": first.tp_group is Topology.build(ParallelDims(tp=2)).tp_group,
-        "threads": threads,
-    }
+    same = Topology.build(ParallelDims(dp=1, tp=2)) is first and Topology.build(ParallelDims(dp=2)) is other
+    kept = first.tp_group is Topology.build(ParallelDims(tp=2)).tp_group
+    # a fit that fails at step 2 (caught, as a sweep would; a failing fit may leave a receive posted or
+    # a collective entered): the next fit of that layout, on every rank, gets new groups and still trains
+    failing = tiny_gpt()
+    step = failing.training_step
+
+    def fails_at_step_2(batch, batch_idx):  # noqa: ANN001, ANN202
+        if batch_idx == 1:
+            raise RuntimeError("a user error at step 2")
+        return step(batch, batch_idx)
+
+    failing.training_step = fails_at_step_2
+    try:
+        quiet_trainer(strategy=ThreeDParallelStrategy(tensor_parallel=2), max_steps=3).fit(failing, tiny_data())
+    except RuntimeError:
+        pass
+    trainer = quiet_trainer(strategy=ThreeDParallelStrategy(tensor_parallel=2), max_steps=2)
+    trainer.fit(tiny_gpt(), tiny_data())
+    renewed = trainer.strategy.topology is not first and Topology.build(ParallelDims(dp=2)) is not other
+    return {"same": same, "tp group kept": kept, "renewed after a failure": renewed, "threads": threads}
 
 
 def test_fits_of_one_layout_in_one_process_reuse_its_process_groups():
     """Issue 33's full matrix: every fit built a new mesh, so 25 eight-rank fits left 244 gloo groups
     and 735 threads in each rank, most of them polling. A layout's groups are now built once per
-    process; another layout adds its own once."""
+    process; another layout adds its own once, and a failed fit's groups are not used again."""
     from lightning_3d.testing.harness import run_on_ranks
 
     for result in run_on_ranks(_fits_in_one_world, 2, timeout=300):
-        assert result["same"] and result["tp group kept"], result
+        assert result["same"] and result["tp group kept"] and result["renewed after a failure"], result
         first, after_fit, after_second_fit, after_other = result["threads"]
         assert after_fit == after_second_fit, result["threads"]  # (the first fit may add groups its layout makes lazily)
         assert after_other > after_second_fit, result["threads"]  # a new layout does make groups (the count sees them)

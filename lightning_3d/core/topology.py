@@ -35,7 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # the degrees' arithmetic lives without torch (the planner's path); re-exported here for the callers
 from lightning_3d.core.dims import EXPERT_DIMS, MESH_DIMS, REPLICA_DIM, Coordinates, Degree, ParallelDims
 
-__all__ = ["EXPERT_DIMS", "MESH_DIMS", "REPLICA_DIM", "Coordinates", "Degree", "ParallelDims", "Topology", "current_topology", "use_topology"]
+__all__ = [
+    "EXPERT_DIMS", "MESH_DIMS", "REPLICA_DIM", "Coordinates", "Degree", "ParallelDims", "Topology", "current_topology",
+    "destroy_world", "suspect_groups", "use_topology",
+]
 
 
 # Every Topology built in this process, by (degrees, device type), for the default group under
@@ -46,6 +49,22 @@ __all__ = ["EXPERT_DIMS", "MESH_DIMS", "REPLICA_DIM", "Coordinates", "Degree", "
 # groups of a layout built before, and a process holds one set per distinct layout. Before this, 25
 # eight-rank fits had left 244 gloo groups and 735 threads in every rank (issue 33's full matrix).
 _BUILT: dict = {}
+# Set when a fit failed in this process: it may have left messages in flight on its groups (an
+# ``isend`` one rank posted before the exception, a collective one rank entered), which a later fit
+# on the same groups would match in place of its own. The next build then makes new groups.
+_SUSPECT = [False]
+
+
+def suspect_groups() -> None:
+    """A fit failed here: the next :meth:`Topology.build` makes every layout's groups anew, on every rank."""
+    _SUSPECT[0] = True
+
+
+def destroy_world() -> None:
+    """Destroy the default process group, dropping the layouts built on it first, so no reference to
+    its groups outlives it (gloo groups torn down at interpreter exit can abort the process)."""
+    _BUILT.clear()
+    dist.destroy_process_group()
 
 
 class Topology:
@@ -76,18 +95,28 @@ class Topology:
             self._expert_replicas = self.expert_layout["edp"]  # one object: buckets group parameters by it
 
     @classmethod
-    def build(cls, dims: ParallelDims, device_type: str = "cpu") -> "Topology":
+    def build(cls, dims: ParallelDims, device: "torch.device | str" = "cpu") -> "Topology":
         """The mesh over the already initialized default process group (collective on all ranks the
         first time): built once per layout and default group in a process, then reused (see
         :data:`_BUILT`)."""
         dims = dims.resolve(dist.get_world_size())
+        device = torch.device(device)  # the compute device (its type names the mesh's; a flag travels on it)
         world = dist.distributed_c10d._get_default_group()
         if _BUILT.get("world") is not world:  # a new default group: the old one's subgroups went with it
             _BUILT.clear()
             _BUILT["world"] = world
-        key = (dims, device_type)
+        elif len(_BUILT) > 1:
+            # reuse only if no rank's last fit failed; every rank decides alike (one flag, all-reduced),
+            # since a rank that made new groups alone would shift torch's group numbering on it
+            failed = torch.tensor([float(_SUSPECT[0])], device=device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failed.item():
+                _BUILT.clear()
+                _BUILT["world"] = world
+        _SUSPECT[0] = False
+        key = (dims, device.type)
         if key not in _BUILT:
-            _BUILT[key] = cls(dims, init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS))
+            _BUILT[key] = cls(dims, init_device_mesh(device.type, dims.shape, mesh_dim_names=MESH_DIMS))
         return _BUILT[key]
 
     def group(self, dim: str) -> dist.ProcessGroup:

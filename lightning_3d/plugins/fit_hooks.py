@@ -13,6 +13,7 @@ from lightning_3d.core import rank_zero
 from lightning_3d.data.sampler import accumulation_for, batches_done_this_epoch, recount_batches, with_global_cursor
 from lightning_3d.plugins.checks import check_before_first_step
 from lightning_3d.plugins.precision import ThreeDPrecision
+from lightning_3d.core.topology import suspect_groups
 from lightning_3d.resilience.fault import mark_failed
 from lightning_3d.resilience.preemption import TrainingInterrupted
 
@@ -75,6 +76,7 @@ class FitHooks:
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that failed, once for the job: a collective error here usually means a peer died
         (lightning_3d/resilience/fault.py: the first failure is claimed in the store; the others print one line)."""
+        suspect_groups()  # messages may be left in flight on this fit's groups: a later fit makes new ones
         if isinstance(exception, TrainingInterrupted):
             return  # every rank stopped together at a scheduler's signal, after a checkpoint: not a failure
         mark_failed()

@@ -267,7 +267,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
             nodes=self.num_nodes, per_node=self.num_processes, rank=self.global_rank, node=self.node_rank,
         )
         strict_comm.enable_from_env()  # LIGHTNING_3D_STRICT_COMM=1: fail on CPU where NCCL would
-        self._topology = Topology.build(self.parallel_dims, device_type=self.root_device.type)
+        self._topology = Topology.build(self.parallel_dims, self.root_device)
         base_seed = agree_on_random_state(self._topology, self.root_device)
         self._rng_tracker = seeded_tracker(self.root_device.type, self._topology.tp_rank, self._topology.pp_rank, base_seed)
         assert self.lightning_module is not None

@@ -676,7 +676,9 @@ def destroy_process_group_at_exit() -> None:
     def _cleanup() -> None:
         if not _exit_cleanup["failed"] and dist.is_available() and dist.is_initialized():
             try:
-                dist.destroy_process_group()
+                from lightning_3d.core.topology import destroy_world
+
+                destroy_world()
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
 

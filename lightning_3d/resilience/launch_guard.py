@@ -276,7 +276,9 @@ def release_job_ranks(wait_s: float = 120.0) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        from lightning_3d.core.topology import destroy_world
+
+        destroy_world()
     for name, value in _environment_before.items():
         if value is None:
             os.environ.pop(name, None)

@@ -99,7 +99,9 @@ def _rank_main(
         if dist.is_initialized():
             _leave_together(rank, world_size, min(timeout, 60.0))
             try:
-                dist.destroy_process_group()
+                from lightning_3d.core.topology import destroy_world
+
+                destroy_world()
             except Exception:  # noqa: BLE001
                 pass
 

@@ -61,7 +61,9 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        from lightning_3d.core.topology import destroy_world
+
+        destroy_world()
 
 
 class _FusedAttention(torch.autograd.Function):
