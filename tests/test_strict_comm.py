@@ -220,7 +220,7 @@ def _zero3_offload_norm() -> dict[str, Any]:
     from lightning_3d.plugins.precision import _local, global_grad_norm
     from lightning_3d.zero.fsdp import apply_zero3
 
-    topology = Topology.build(ParallelDims(dp=2), device_type="cpu")
+    topology = Topology.build(ParallelDims(dp=2), "cpu")
     with sc.strict_comm():
         model = nn.Module()
         model.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
