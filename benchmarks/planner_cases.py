@@ -158,8 +158,9 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def planned_layouts(layouts: tuple[str, ...] = MEASURED_LAYOUTS, cfg: Any = None) -> list[tuple[str, Any, Any]]:
-    """Each layout text, its problem (on as many processes as it uses) and the planner's estimate for it."""
+def planned_layouts(cfg: Any, layouts: tuple[str, ...] = MEASURED_LAYOUTS) -> list[tuple[str, Any, Any]]:
+    """For the composed recipe ``cfg``: each layout text, its problem (on as many processes as it uses)
+    and the planner's estimate for it."""
     from lightning_3d.apps.plan_cli import parse_layout
     from lightning_3d.planner import problem_from_config
 
@@ -193,7 +194,7 @@ def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = M
         recipe = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(recipe, dict)
         recipe.pop("hydra", None)
-        planned = planned_layouts(layouts, cfg)
+        planned = planned_layouts(cfg, layouts)
     runs: dict[str, list[dict[str, Any]]] = {text: [] for text in layouts}
     for _ in range(repeats):
         for text, problem, estimate in planned:

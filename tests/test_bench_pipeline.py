@@ -97,7 +97,7 @@ def test_the_planner_table_measures_each_layout_its_row_names():
         sys.path.remove(str(BENCH))
     cfg = planner_cases.compose_config(["cluster=local_cpu", "model=gpt_tiny", "data.global_batch_size=16", "trainer.precision=32-true"])
     runs = {}
-    for text, problem, estimate in planner_cases.planned_layouts(cfg=cfg):
+    for text, problem, estimate in planner_cases.planned_layouts(cfg):
         kwargs = estimate.layout.strategy_kwargs(problem.global_batch, estimate.split_points)
         runs[text] = (repr(sorted(kwargs.items())), estimate.layout.micro_batches(problem.global_batch))
         for option, key in (("sp=", "sequence_parallel"), ("zero=", "zero_stage")):

@@ -60,6 +60,14 @@ def suspect_groups() -> None:
     _SUSPECT[0] = True
 
 
+def _any_rank_failed(device: torch.device) -> bool:
+    """Whether any rank called :func:`suspect_groups` since its last build: one flag, all-reduced, so
+    every rank decides alike (a rank that made new groups alone would shift torch's group numbering)."""
+    failed = torch.tensor([float(_SUSPECT[0])], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    return bool(failed.item())
+
+
 def destroy_world() -> None:
     """Destroy the default process group, dropping the layouts built on it first, so no reference to
     its groups outlives it (gloo groups torn down at interpreter exit can abort the process)."""
@@ -87,7 +95,7 @@ class Topology:
         # groups made on first use, collectively; "made" is recorded apart from the group because a rank
         # outside every group of a family gets None, and a None read as "not made yet" would make that
         # rank alone create groups again on a reused topology, shifting torch's group numbering on it
-        self._lazy: dict[str, Optional[dist.ProcessGroup]] = {}
+        self._lazy: dict[str, Optional[dist.ProcessGroup]] = {}  # (embedding_group, expert_tensor_group)
         if dims.ep > 1:
             if not hasattr(self.replica_mesh, "_unflatten"):
                 raise RuntimeError(f"expert_parallel={dims.ep} needs torch >= 2.9 (DeviceMesh._unflatten); this is torch {torch.__version__}.")
@@ -102,17 +110,11 @@ class Topology:
         dims = dims.resolve(dist.get_world_size())
         device = torch.device(device)  # the compute device (its type names the mesh's; a flag travels on it)
         world = dist.distributed_c10d._get_default_group()
-        if _BUILT.get("world") is not world:  # a new default group: the old one's subgroups went with it
+        # start over for a new default group (the old one's subgroups went with it), or when a rank's
+        # last fit failed (voted only once something is cached: every rank then holds the same layouts)
+        if _BUILT.get("world") is not world or (len(_BUILT) > 1 and _any_rank_failed(device)):
             _BUILT.clear()
             _BUILT["world"] = world
-        elif len(_BUILT) > 1:
-            # reuse only if no rank's last fit failed; every rank decides alike (one flag, all-reduced),
-            # since a rank that made new groups alone would shift torch's group numbering on it
-            failed = torch.tensor([float(_SUSPECT[0])], device=device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if failed.item():
-                _BUILT.clear()
-                _BUILT["world"] = world
         _SUSPECT[0] = False
         key = (dims, device.type)
         if key not in _BUILT:
@@ -185,12 +187,12 @@ class Topology:
             return None
         if self.dims.ep == 1:
             return self.tp_group
-        if getattr(self, "_expert_tensor", None) is None:
+        if "expert_tensor" not in self._lazy:
             inner = self.mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")._unflatten(
                 0, (self.dp_size // self.dims.ep, self.dims.ep, self.dims.tp), ("edp", "ep", "etp")
             )
-            self._expert_tensor = inner["ep", "etp"]._flatten("ep_etp")
-        return self._expert_tensor.get_group()
+            self._lazy["expert_tensor"] = inner["ep", "etp"]._flatten("ep_etp").get_group()
+        return self._lazy["expert_tensor"]
 
     @property
     def cp_size(self) -> int:

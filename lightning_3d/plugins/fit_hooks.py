@@ -10,10 +10,10 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lightning_3d.core import rank_zero
+from lightning_3d.core.topology import suspect_groups
 from lightning_3d.data.sampler import accumulation_for, batches_done_this_epoch, recount_batches, with_global_cursor
 from lightning_3d.plugins.checks import check_before_first_step
 from lightning_3d.plugins.precision import ThreeDPrecision
-from lightning_3d.core.topology import suspect_groups
 from lightning_3d.resilience.fault import mark_failed
 from lightning_3d.resilience.preemption import TrainingInterrupted
 
