@@ -115,3 +115,16 @@ def gpt_losses() -> dict[str, Any]:
     trainer = quiet_trainer(max_steps=STEPS, limit_val_batches=0, callbacks=[recorder], gradient_clip_val=1.0)
     trainer.fit(model, tiny_data(global_batch_size=8))
     return {"losses": recorder.losses, "checksum": param_checksum(model)}
+
+
+def run_fault_worker(*argv: str) -> None:
+    """tests/scripts/fault_worker.py with ``argv`` as one rank of a harness world (``run_on_ranks``): the
+    uninterrupted reference of a fault test, trained the same way without a launcher's fresh processes
+    (each pays ~5 CPU-s of imports)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "scripts" / "fault_worker.py"
+    sys.argv = [str(script), *argv]
+    runpy.run_path(str(script), run_name="__main__")

@@ -21,21 +21,33 @@ import pytest
 
 from lightning_3d.checkpoint.sharded import MANIFEST, read_manifest
 from lightning_3d.resilience.preemption import EXIT_CODE
+from lightning_3d.testing.harness import run_on_ranks
 from tests.test_faults import Job
 
 START_S = 90.0  # processes import torch and Lightning on 2 busy cores
 STOP_S = 30.0  # from the signal to every rank gone: within a stated grace (SLURM's KillWait default is 30 s)
 
 
-def _losses(job: Job, rank: int = 0) -> dict[int, float]:
-    lines = [json.loads(line) for line in (job.out / f"rank{rank}.jsonl").read_text().splitlines()]
+def _losses(out: Path, rank: int = 0) -> dict[int, float]:
+    lines = [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in lines}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """The same 12 steps without a signal (the reference), on harness ranks: no fresh processes."""
+    from tests.helpers import run_fault_worker
+    from tests.test_faults import COLLECTIVE_S
+
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_on_ranks(run_fault_worker, 2, str(out), "full12", str(COLLECTIVE_S), "2", timeout=300)
+    return _losses(out)
 
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("preemption")
-    jobs = {"rank0": Job(root / "rank0", "sigterm", 2), "every": Job(root / "every", "sigterm", 2), "full": Job(root / "full", "full12", 2)}
+    jobs = {"rank0": Job(root / "rank0", "sigterm", 2), "every": Job(root / "every", "sigterm", 2)}
     try:
         for name, job in (("rank0", jobs["rank0"]), ("every", jobs["every"])):
             job.wait_for(lambda job=job: job.steps(0) >= 3 and job.steps(1) >= 3, START_S, f"{name}: training did not reach step 3")
@@ -65,11 +77,11 @@ def test_sigterm_writes_a_checkpoint_at_the_step_and_exits_saying_interrupted(in
     saved = sorted((job.out / "ckpt").glob("last-interrupted-step*.ckpt"))
     assert len(saved) == 1 and (saved[0] / MANIFEST).is_file(), sorted(p.name for p in (job.out / "ckpt").iterdir())
     step = int(saved[0].name[len("last-interrupted-step"):].split(".")[0])
-    assert 3 <= step < 12 and step <= max(_losses(job)) + 2  # within two steps of the signal
+    assert 3 <= step < 12 and step <= max(_losses(job.out)) + 2  # within two steps of the signal
     assert "Traceback" not in job.output() and "failed" not in " ".join(job.lines())
 
 
-def test_the_interrupted_checkpoint_resumes_exactly(interrupted):
+def test_the_interrupted_checkpoint_resumes_exactly(interrupted, uninterrupted):
     root, jobs = interrupted
     saved = next((jobs["every"].out / "ckpt").glob("last-interrupted-step*.ckpt"))
     step = int(saved.name[len("last-interrupted-step"):].split(".")[0])
@@ -78,7 +90,7 @@ def test_the_interrupted_checkpoint_resumes_exactly(interrupted):
         assert resumed.rank0.wait(timeout=START_S + 60) == 0, resumed.output()[-4000:]
     finally:
         resumed.kill()
-    full, after = _losses(jobs["full"]), _losses(resumed)
+    full, after = uninterrupted, _losses(resumed.out)
     assert sorted(after) == list(range(step + 1, 13))
     np.testing.assert_allclose([after[s] for s in sorted(after)], [full[s] for s in sorted(after)], rtol=1e-5)
 
@@ -177,7 +189,7 @@ def test_slurm_requeue_signal_writes_a_checkpoint_and_requeues_the_job(requeued)
     assert "Traceback" not in first.output()
 
 
-def test_the_requeued_job_resumes_from_it_with_its_command_unchanged(requeued, interrupted):
+def test_the_requeued_job_resumes_from_it_with_its_command_unchanged(requeued, uninterrupted):
     """The same command, ckpt_path="last": Lightning takes the newest last* checkpoint, the signal's, and
     the steps after it are the uninterrupted run's."""
     second = requeued["second"]
@@ -185,5 +197,5 @@ def test_the_requeued_job_resumes_from_it_with_its_command_unchanged(requeued, i
     before, after = second.steps(0, 0), second.steps(0, 1)
     step = int(read_manifest(next((second.out / "ckpt").glob("last-interrupted-step*.ckpt")))["step"])
     assert 3 <= step <= max(before) + 1 and sorted(after) == list(range(step + 1, 13))  # (within a step of the signal)
-    full = _losses(interrupted[1]["full"])
+    full = uninterrupted
     np.testing.assert_allclose([after[s] for s in sorted(after)], [full[s] for s in sorted(after)], rtol=1e-5)

@@ -429,6 +429,9 @@ class _Engine:
             progressed = False
             try:
                 with self.lock:
+                    if not self.live and not self.stopped:
+                        self.lock.wait()  # nothing in flight: sleep until post() or stop() notifies
+                        continue
                     items = list(self.live)
                 for item in items:
                     progressed |= self._advance(item)
@@ -533,6 +536,7 @@ class _Engine:
                 item.error = item.error or "strict communication ended while this item was in flight"
                 item.finished.set()
             self.live.clear()
+            self.lock.notify_all()
         self.thread.join(timeout=5)
 
 

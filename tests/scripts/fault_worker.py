@@ -11,11 +11,12 @@
           | elastic_node         12 steps at a global batch of 24 (0.4 s each in the first attempt, for a test that
                                  kills a node's agent), resumed from the last checkpoint at whatever size restarts
           | full12_24            the same 12 steps at a global batch of 24, uninterrupted (the reference)
-          | slurm                the sigterm run as one rank of a SLURM job (SLURM_* variables set by the test, no
+          | slurm                the sigterm run (0.4 s steps in the first attempt only) as one rank of a SLURM job (SLURM_* variables set by the test, no
                                  launcher), with ckpt_path="last" (a requeued job resumes from the signal's checkpoint)
 
-With RANK in the environment the process is one rank of a job started by hand or by torchrun;
-without it, it is rank 0 and Lightning's launcher starts DEVICES - 1 more (start_method="popen").
+With RANK in the environment the process is one rank of a job started by hand, by torchrun or by
+the test harness (tests.helpers.run_fault_worker: a reference run without fresh processes); without
+it, it is rank 0 and Lightning's launcher starts DEVICES - 1 more (start_method="popen").
 Every rank appends {"attempt", "step", "loss"} lines to OUT/rank<r>.jsonl and, for the tests that
 look for leftover processes, writes its pid to OUT/pid<r>.
 """
@@ -70,7 +71,7 @@ class Record(L.Callback):
             raise ValueError(f"a bug in the training step (step {step})")
         if mode == "slow":
             time.sleep(0.5)
-        if mode in ("sigterm", "slurm") or (mode == "elastic_node" and attempt == 0):
+        if mode == "sigterm" or (mode in ("slurm", "elastic_node") and attempt == 0):  # (a resumed attempt runs at full speed)
             time.sleep(0.4)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, i):  # noqa: ANN001
@@ -98,9 +99,10 @@ trainer = quiet_trainer(
     enable_checkpointing=mode != "slow",  # (slow runs until killed: no pile of checkpoints)
     callbacks=[Record()] + ([] if mode == "slow" else [checkpoint]),
     strategy=ThreeDParallelStrategy(timeout=timeout),
-    **({} if launched_by_hand else {"devices": devices or 2, "num_nodes": 1}),
+    **({} if launched_by_hand and not devices else {"devices": devices or 2, "num_nodes": 1}),
 )
-batch = 24 if mode in ("elastic_node", "full12_24") else 8 if launched_by_hand else 2 * (devices or 2)
+# a job's DEVICES sets its batch (2 a rank), also when a test's harness runs it as a reference
+batch = 24 if mode in ("elastic_node", "full12_24") else 2 * devices if devices else 8 if launched_by_hand else 4
 resume_from = "last" if mode in ("elastic", "elastic_node", "slurm") else os.environ.get("RESUME_FROM") if mode == "resume" else None
 try:
     trainer.fit(tiny_gpt(lr=3e-3), tiny_data(global_batch_size=batch), ckpt_path=resume_from)
