@@ -8,7 +8,14 @@ from lightning_3d.data.corpus import (
     stdlib_bytes,
     write_token_file,
 )
-from lightning_3d.data.datamodule import TextDataModule
+
+def __getattr__(name: str):  # noqa: ANN202 - TextDataModule imports Lightning; `lightning-3d prepare` needs only the corpus code
+    if name == "TextDataModule":
+        from lightning_3d.data.datamodule import TextDataModule
+
+        return TextDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "TextDataModule",
