@@ -49,7 +49,7 @@ def timed_fit(
 def measure_layout(strategy_kwargs: dict[str, Any], recipe: dict[str, Any], micro_batches: int, steps: int) -> dict[str, float]:
     """Runs on every rank: the recipe's model, optimizer and data (``recipe``: the composed config as a
     plain dict) under ``strategy_kwargs``; the median optimizer step of ``steps`` after
-    ``WARMUP_STEPS``, and the model state this rank holds (parameters, gradients, optimizer state)."""
+    ``WARMUP_STEPS``, and the most model state this rank holds at once (parameters, gradients, optimizer state)."""
     import lightning as L
     from omegaconf import OmegaConf
 
@@ -61,12 +61,23 @@ def measure_layout(strategy_kwargs: dict[str, Any], recipe: dict[str, Any], micr
     cfg.data.global_batch_size = int(cfg.data.global_batch_size) // accumulate  # per loader batch
     state = {"mb": float("nan")}
 
-    class StateAtEnd(L.Callback):  # before teardown releases anything
+    class PeakState(L.Callback):
+        """The model state at its peak: just before an optimizer step, when this rank holds its gradients
+        (ZeRO-2 frees its reduced slice after the step) and, from the second step on, the optimizer state;
+        also read at the end, before teardown releases anything."""
+
+        def _read(self, trainer: L.Trainer) -> None:
+            mb = trainer.strategy.memory_report()["total"] / 2**20
+            state["mb"] = mb if state["mb"] != state["mb"] else max(state["mb"], mb)  # (nan: the first read)
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+            self._read(trainer)
+
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            state["mb"] = trainer.strategy.memory_report()["total"] / 2**20
+            self._read(trainer)
 
     step_s = timed_fit(
-        ThreeDParallelStrategy(**strategy_kwargs), build_model(cfg), build_data(cfg), steps, WARMUP_STEPS, accumulate, [StateAtEnd()]
+        ThreeDParallelStrategy(**strategy_kwargs), build_model(cfg), build_data(cfg), steps, WARMUP_STEPS, accumulate, [PeakState()]
     )
     return {"step_s": step_s, "model_state_mb": state["mb"]}
 
