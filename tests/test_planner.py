@@ -623,6 +623,12 @@ RECORDED_PROFILE = {  # this machine, 2026-12-02 (2 processes at once)
 }
 
 
+RECORDED_GATHERS = {  # this machine, 2026-12-04, 16 MB (a busy host): gloo's tensor gathers and scatters
+    "all_gather": {"bytes": 16777216, "seconds": 0.0381, "bus_gb_per_s": 0.22},
+    "reduce_scatter": {"bytes": 16777216, "seconds": 0.0524, "bus_gb_per_s": 0.16},
+}
+
+
 def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) -> None:
     """The method on a recorded profile (no timing): the best GEMM is the device's rate (efficiency 1), the
     largest all-reduce's bus bandwidth the link, the copy the memory bandwidth; the file composes as any cluster."""
@@ -642,6 +648,9 @@ def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) ->
     assert (cluster.intra_node_gb_per_s, cluster.device.memory_bandwidth_gb_per_s, cluster.world_size) == (2.025, 43.42, 2)
     # the host terms: the small all-reduce's latency, the tiny block's dispatch, the minimal step less both
     assert (cluster.collective_latency_us, cluster.device.layer_overhead_us, cluster.step_overhead_ms) == (430.0, 1200.0, 8.0)
+    assert (cluster.all_gather_gb_per_s, cluster.reduce_scatter_gb_per_s) == (0.0, 0.0)  # not in this profile: as the all-reduce
+    gathers = cluster_from({**RECORDED_PROFILE, **RECORDED_GATHERS}, "gathers", devices_per_node=2, ranks=2)[0]
+    assert (gathers["all_gather_gb_per_s"], gathers["reduce_scatter_gb_per_s"]) == (0.275, 0.2)  # / the link efficiency
     problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
     assert Planner(problem).search()
     with pytest.raises(ValueError):  # a figure that makes no valid cluster: no file
@@ -665,6 +674,32 @@ def test_the_host_terms_add_what_they_say_to_a_step() -> None:
     group = Group(2, 1, 1.0, latency_us=400.0)
     assert collective_cost("all_reduce", 1e6, group).seconds == pytest.approx(400e-6 + 1e6 / (1e9 * 0.8), rel=1e-9)
     assert collective_cost("all_gather", 1e6, group).latency == pytest.approx(200e-6)
+    # a profile's own gather and scatter bandwidths (gloo's run well below its all-reduce's); 0 keeps the link's
+    slow = Group(2, 1, 1.0, latency_us=400.0, all_gather_gb_per_s=0.25, reduce_scatter_gb_per_s=0.125)
+    assert collective_cost("all_gather", 1e6, slow).transfer == pytest.approx(0.5e6 / (0.25e9 * 0.8), rel=1e-9)
+    assert collective_cost("reduce_scatter", 1e6, slow).transfer == pytest.approx(0.5e6 / (0.125e9 * 0.8), rel=1e-9)
+    assert collective_cost("all_reduce", 1e6, slow) == collective_cost("all_reduce", 1e6, group)
+
+
+def test_sequence_parallel_pays_the_transports_gathers_and_scatters() -> None:
+    """Sequence parallelism's tensor-parallel traffic is a reduce-scatter and an all-gather where tp alone
+    all-reduces: the same wire time under NCCL's model (large messages; small ones pay two start-ups),
+    more on a transport that runs them slower."""
+    from dataclasses import replace as copy_with
+
+    from lightning_3d.planner.collective_cost import Group, collective_cost
+
+    nvlink = Group(8, 1, 450.0)
+    split = sum(collective_cost(kind, 2**28, nvlink).seconds for kind in ("reduce_scatter", "all_gather"))
+    assert split == pytest.approx(collective_cost("all_reduce", 2**28, nvlink).seconds, rel=0.05)
+
+    def tp_seconds(cluster: ClusterSpec, sp: bool) -> float:
+        problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
+        return best_completion(Planner(problem), parse_layout(f"dp=1,tp=2,pp=1,mb=16,sp={str(sp).lower()}")).time["tp_comm"]
+
+    cpu = copy_with(load_cluster(compose("cluster=local_cpu").cluster), devices_per_node=2, collective_latency_us=400.0)
+    slow = copy_with(cpu, all_gather_gb_per_s=cpu.intra_node_gb_per_s / 4, reduce_scatter_gb_per_s=cpu.intra_node_gb_per_s / 4)
+    assert tp_seconds(slow, True) > 1.5 * tp_seconds(cpu, True)
 
 
 def test_plan_measure_runs_the_top_layouts_here(capsys: pytest.CaptureFixture[str]) -> None:

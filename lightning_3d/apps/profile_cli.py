@@ -14,6 +14,8 @@ measure at once, so each figure includes its neighbours' contention, and the slo
   ``intra_node_gb_per_s`` (divided by the planner's link efficiency);
 * the all-reduce latency at the smallest size: ``collective_latency_us``, which replaces NCCL's
   latency tables for this cluster;
+* the all-gather and reduce-scatter bus bandwidth at the largest size: ``all_gather_gb_per_s`` and
+  ``reduce_scatter_gb_per_s`` (gloo runs them at a fraction of its all-reduce's rate);
 * the forward + backward of a transformer block too small to compute: ``device.layer_overhead_us``,
   the per-layer dispatch time an eager CPU process pays in line;
 * the median step of a Trainer under the strategy on a one-layer GPT too small to compute, less
@@ -90,9 +92,26 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
     return {
         "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
+        **gather_and_scatter(max(reduce_sizes), world, best),
         "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical),
         "step_s": minimal_step_seconds(loop_steps, warmup=max(2, loop_steps // 5)),
     }
+
+
+def gather_and_scatter(nbytes: int, world: int, best: Any) -> dict[str, dict[str, float]]:
+    """The all-gather and reduce-scatter of ``nbytes`` (the gathered output, the scattered input) as
+    sequence parallelism and ZeRO issue them (``*_into_tensor`` / ``*_tensor``), with the bus bandwidth
+    nccl-tests reports: (n - 1) / n x bytes / seconds. Gloo runs them well below its all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    full = torch.zeros(max(world, nbytes // 4 // world * world))
+    part = torch.zeros(full.numel() // world)
+    out: dict[str, dict[str, float]] = {}
+    for kind, call in (("all_gather", lambda: dist.all_gather_into_tensor(full, part)), ("reduce_scatter", lambda: dist.reduce_scatter_tensor(part, full))):
+        seconds = best(call)
+        out[kind] = {"bytes": full.numel() * 4, "seconds": seconds, "bus_gb_per_s": (world - 1) / world * full.numel() * 4 / seconds / 1e9}
+    return out
 
 
 # The block whose forward + backward sets the device's rate: the tiny recipes' width (gpt_tiny), as
@@ -168,6 +187,7 @@ def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "all_reduce": reduce,
         **{key: max(r[key] for r in per_rank) for key in ("layer_overhead_s", "step_s", "loaded_latency_s") if key in first},
         **({"block": max((r["block"] for r in per_rank), key=lambda b: b["seconds"])} if "block" in first else {}),
+        **{kind: max((r[kind] for r in per_rank), key=lambda entry: entry["seconds"]) for kind in ("all_gather", "reduce_scatter") if kind in first},
     }
 
 
@@ -219,6 +239,7 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "cpu_ram_gb": round(ram_gb, 1),
         "nvme_gb": 0,
         "collective_latency_us": float(f"{latency_s * 1e6:.4g}"),
+        **{f"{kind}_gb_per_s": float(f"{measured[kind]['bus_gb_per_s'] / LINK_EFFICIENCY:.4g}") for kind in ("all_gather", "reduce_scatter") if kind in measured},
         "step_overhead_ms": float(f"{loop_s * 1e3:.4g}"),
         "device": {
             "model": "cpu-process (measured)",
@@ -241,6 +262,8 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "(the planner derates bandwidths by those factors: it then charges the measured ones); the slowest rank's figures.",
         f"collective_latency_us: a small all-reduce over {ranks} processes between pieces of compute (its start-up and the",
         f"ranks lining up), or idle ({int(smallest)} bytes) if larger; in place of NCCL's latency tables.",
+        "all_gather_gb_per_s, reduce_scatter_gb_per_s: their bus bandwidth at the largest size (the tensor calls sequence",
+        "parallelism and ZeRO make), / the link efficiency; gloo runs them well below its all-reduce.",
         "device.layer_overhead_us: forward + backward of a 16-wide, 8-token transformer block (operator dispatch, autograd).",
         "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
         "less that layer and one all-reduce: the training loop's own time (its callbacks; no logger, bar or checkpoints).",

@@ -114,6 +114,9 @@ class Group:
     gb_per_s: float
     amd_host: bool = False  # NCCL charges AMD hosts more per network step
     latency_us: float = 0.0  # measured start-up between two ranks (ClusterSpec.collective_latency_us); 0: NCCL's tables
+    # a measured transport's own bus bandwidth for gathers and scatters (ClusterSpec's); 0: gb_per_s
+    all_gather_gb_per_s: float = 0.0
+    reduce_scatter_gb_per_s: float = 0.0
 
     @property
     def ranks_per_node(self) -> int:
@@ -194,6 +197,9 @@ def _collective_cost(kind: str, nbytes: float, group: Group, nccl: NcclVersion) 
     wire = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes  # what each rank sends
     if group.latency_us > 0:  # a measured transport (gloo): its start-up per ring step, one protocol
         steps = (2 if kind == "all_reduce" else 1) * (n - 1)  # the measured 2-rank all-reduce is 2 steps
+        own = {"all_gather": group.all_gather_gb_per_s, "reduce_scatter": group.reduce_scatter_gb_per_s}.get(kind, 0.0)
+        if own > 0:
+            bus = own * 1e9 * LINK_EFFICIENCY
         return CollectiveCost(group.latency_us / 2 * steps * 1e-6, wire / bus, "ring", "measured")
     best = None
     for proto, name in enumerate(PROTOCOLS):

@@ -65,6 +65,11 @@ class ClusterSpec:
     # Measured start-up of one collective between two ranks (gloo between CPU processes); it replaces
     # NCCL's latency tables, growing with the ring's n - 1 steps. 0: NCCL's tables.
     collective_latency_us: float = 0.0
+    # Measured gathers and scatters on that transport (a profile's): gloo runs them at a fraction of its
+    # all-reduce's bus bandwidth. Bus bandwidth as nccl-tests counts it ((n - 1) / n x the gathered or
+    # scattered bytes / seconds), nominal like intra_node_gb_per_s. 0: the intra-node bandwidth.
+    all_gather_gb_per_s: float = 0.0
+    reduce_scatter_gb_per_s: float = 0.0
     # Per optimizer step, what the training loop itself costs on the host (Lightning's loop, callbacks,
     # the finite-gradient vote, logging), measured on a model too small to compute. 0: not modelled.
     step_overhead_ms: float = 0.0
@@ -87,7 +92,7 @@ class ClusterSpec:
             raise ValueError(f"cluster {self.name!r}: intra_node_gb_per_s must be positive.")
         if self.num_nodes > 1 and self.inter_node_gb_per_s <= 0:
             raise ValueError(f"cluster {self.name!r}: {self.num_nodes} nodes need inter_node_gb_per_s > 0.")
-        for name in ("collective_latency_us", "step_overhead_ms"):
+        for name in ("collective_latency_us", "step_overhead_ms", "all_gather_gb_per_s", "reduce_scatter_gb_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {self.name!r}: {name}={getattr(self, name)!r} must be >= 0 (0: not modelled).")
         self.device.validate()

@@ -399,7 +399,10 @@ class Planner:
         bandwidth = self._bandwidth(stride, size)
         if own_adapter and nodes > 1:
             bandwidth = min(bandwidth, self._per_device_network())
-        return Group(size, nodes, bandwidth, amd_host=cluster.host_cpu == "amd", latency_us=cluster.collective_latency_us)
+        return Group(
+            size, nodes, bandwidth, amd_host=cluster.host_cpu == "amd", latency_us=cluster.collective_latency_us,
+            all_gather_gb_per_s=cluster.all_gather_gb_per_s, reduce_scatter_gb_per_s=cluster.reduce_scatter_gb_per_s,
+        )
 
     @property
     def nccl(self):  # type: ignore[no-untyped-def]

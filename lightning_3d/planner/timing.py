@@ -118,7 +118,10 @@ def layer_cost(
     backward = 2.0 * gemm_fwd + BACKWARD_FACTOR * elem_fwd + recompute_fwd + overhead * 2 / 3
     collectives = 4 + (2 if recompute == "full" else 0)  # two in forward, two in backward, two in recompute
     activation = tokens * model.hidden * activation_bytes
-    tp_comm = collectives * collective_cost("all_reduce", activation, tp_group, nccl).seconds
+    # sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather: the same
+    # bytes and ring steps under NCCL, but a measured transport may run them at other rates
+    kinds = ("reduce_scatter", "all_gather") if sequence_parallel and tp > 1 else ("all_reduce",)
+    tp_comm = collectives * sum(collective_cost(kind, activation, tp_group, nccl).seconds for kind in kinds)
     linear = gemm_fwd * 2.0 * model.layer_active_matmul_params / model.layer_forward_flops_per_token()
     attention = gemm_fwd * model.attention_forward_flops_per_token() / model.layer_forward_flops_per_token()
     return MicroBatchCost(forward, backward, tp_comm, linear, attention)
