@@ -649,6 +649,9 @@ def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) ->
     # the host terms: the small all-reduce's latency, the tiny block's dispatch, the minimal step less both
     assert (cluster.collective_latency_us, cluster.device.layer_overhead_us, cluster.step_overhead_ms) == (430.0, 1200.0, 8.0)
     assert (cluster.all_gather_gb_per_s, cluster.reduce_scatter_gb_per_s) == (0.0, 0.0)  # not in this profile: as the all-reduce
+    assert cluster.device.peak_tflops_alone == 0.0  # nor the block alone: one rate for any process count
+    alone = cluster_from({**RECORDED_PROFILE, "block_alone": {"seconds": 0.0200, "flops": 1409286144.0}}, "alone", devices_per_node=2, ranks=2)[0]
+    assert alone["device"]["peak_tflops_alone"] == pytest.approx(1409286144.0 / (0.0200 - 1.2e-3 - elementwise) / 1e12, rel=1e-3)
     gathers = cluster_from({**RECORDED_PROFILE, **RECORDED_GATHERS}, "gathers", devices_per_node=2, ranks=2)[0]
     assert (gathers["all_gather_gb_per_s"], gathers["reduce_scatter_gb_per_s"]) == (0.275, 0.2)  # / the link efficiency
     problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
@@ -671,6 +674,13 @@ def test_the_host_terms_add_what_they_say_to_a_step() -> None:
     steps = [best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), layout).step_seconds for c in (base, timed)]
     micro_batches, layers = 4, 4
     assert steps[1] - steps[0] == pytest.approx(micro_batches * layers * 500e-6 + 7e-3, rel=1e-9)
+    # the rate of a process alone on the host applies to one-process layouts only
+    faster = copy_with(base, device=copy_with(base.device, peak_tflops_alone=2 * base.device.peak_tflops))
+    computes = [best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), layout).time["compute"] for c in (base, faster)]
+    assert computes[1] < 0.6 * computes[0]
+    two = [copy_with(c, devices_per_node=2) for c in (base, faster)]
+    dp2 = parse_layout("dp=2,tp=1,pp=1,mb=4,zero=0")
+    assert len({best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), dp2).time["compute"] for c in two}) == 1
     group = Group(2, 1, 1.0, latency_us=400.0)
     assert collective_cost("all_reduce", 1e6, group).seconds == pytest.approx(400e-6 + 1e6 / (1e9 * 0.8), rel=1e-9)
     assert collective_cost("all_gather", 1e6, group).latency == pytest.approx(200e-6)

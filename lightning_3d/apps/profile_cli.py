@@ -16,6 +16,8 @@ measure at once, so each figure includes its neighbours' contention, and the slo
   latency tables for this cluster;
 * the all-gather and reduce-scatter bus bandwidth at the largest size: ``all_gather_gb_per_s`` and
   ``reduce_scatter_gb_per_s`` (gloo runs them at a fraction of its all-reduce's rate);
+* the rate block again on one process while the others wait: ``device.peak_tflops_alone``, the rate
+  of a layout with one process on the host (processes computing at once slow each other);
 * the forward + backward of a transformer block too small to compute: ``device.layer_overhead_us``,
   the per-layer dispatch time an eager CPU process pays in line;
 * the median step of a Trainer under the strategy on a one-layer GPT too small to compute, less
@@ -93,7 +95,7 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
     return {
         "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
         **gather_and_scatter(max(reduce_sizes), world, best),
-        "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical),
+        "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical), "block_alone": block_alone(repeats),
         "step_s": minimal_step_seconds(loop_steps, warmup=max(2, loop_steps // 5)),
     }
 
@@ -134,6 +136,26 @@ def block_seconds(best: Any) -> dict[str, float]:
     shape = ModelShape.from_config(dict(RATE_BLOCK), seq_len=RATE_BLOCK["block_size"])
     flops = 3.0 * RATE_BATCH * RATE_BLOCK["block_size"] * shape.layer_forward_flops_per_token()
     return {"seconds": best(lambda: block(x).sum().backward()), "flops": flops}
+
+
+def block_alone(repeats: int) -> Any:
+    """The rate block on rank 0 while the other ranks wait (``None`` elsewhere): a one-process layout's
+    rate, which the ranks computing at once (:func:`block_seconds`) understate on a shared host."""
+    import torch.distributed as dist
+
+    def median_alone(fn: Any) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    dist.barrier()
+    out = block_seconds(median_alone) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out
 
 
 def layer_overhead_seconds(best: Any, calls: int = 40) -> float:
@@ -187,6 +209,7 @@ def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "all_reduce": reduce,
         **{key: max(r[key] for r in per_rank) for key in ("layer_overhead_s", "step_s", "loaded_latency_s") if key in first},
         **({"block": max((r["block"] for r in per_rank), key=lambda b: b["seconds"])} if "block" in first else {}),
+        **({"block_alone": first["block_alone"]} if first.get("block_alone") else {}),
         **{kind: max((r[kind] for r in per_rank), key=lambda entry: entry["seconds"]) for kind in ("all_gather", "reduce_scatter") if kind in first},
     }
 
@@ -208,7 +231,8 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     gemm = max(measured["gemm_tflops"].values())
     rate_from = f"the best square fp32 GEMM of sizes {sorted(int(n) for n in measured['gemm_tflops'])} per process"
     block = measured.get("block")
-    if block:
+
+    def block_rate(block: dict[str, float]) -> float:
         # what a transformer block's arithmetic reaches once what the planner charges it apart is taken
         # out: its dispatch (per layer) and its element-wise bytes at the measured copy rate (flash attention)
         shape = ModelShape.from_config(dict(RATE_BLOCK), seq_len=RATE_BLOCK["block_size"])
@@ -218,7 +242,11 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         arithmetic = block["seconds"] - measured.get("layer_overhead_s", 0.0) - elementwise
         if arithmetic <= 0:
             raise ValueError(f"the rate block took {block['seconds']:.4g} s, no more than its dispatch and element-wise time: re-run the profile.")
-        gemm = block["flops"] / arithmetic / 1e12
+        return block["flops"] / arithmetic / 1e12
+
+    alone = block_rate(measured["block_alone"]) if block and measured.get("block_alone") else 0.0
+    if block:
+        gemm = block_rate(block)
         rate_from = (f"a {RATE_BLOCK['n_embd']}-wide block's forward + backward ({RATE_BATCH} x {RATE_BLOCK['block_size']} tokens, "
                      f"the planner's FLOP count) less its dispatch and element-wise bytes; square GEMMs reach {max(measured['gemm_tflops'].values()):.4g}")
     reduce = measured["all_reduce"]
@@ -249,6 +277,7 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
             "gemm_efficiency": 1.0,
             "reserved_gb": 0.0,
             "layer_overhead_us": float(f"{layer_s * 1e6:.4g}"),
+            "peak_tflops_alone": float(f"{alone:.4g}"),
         },
     }
     load_cluster(config).validate()  # a figure that makes no valid cluster fails here, before any file is written
@@ -265,6 +294,7 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "all_gather_gb_per_s, reduce_scatter_gb_per_s: their bus bandwidth at the largest size (the tensor calls sequence",
         "parallelism and ZeRO make), / the link efficiency; gloo runs them well below its all-reduce.",
         "device.layer_overhead_us: forward + backward of a 16-wide, 8-token transformer block (operator dispatch, autograd).",
+        "device.peak_tflops_alone: the same rate block on one process while the others wait (a one-process layout; 0: not measured).",
         "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
         "less that layer and one all-reduce: the training loop's own time (its callbacks; no logger, bar or checkpoints).",
     ]
