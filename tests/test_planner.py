@@ -689,6 +689,8 @@ def test_the_host_terms_add_what_they_say_to_a_step() -> None:
     assert collective_cost("all_gather", 1e6, slow).transfer == pytest.approx(0.5e6 / (0.25e9 * 0.8), rel=1e-9)
     assert collective_cost("reduce_scatter", 1e6, slow).transfer == pytest.approx(0.5e6 / (0.125e9 * 0.8), rel=1e-9)
     assert collective_cost("all_reduce", 1e6, slow) == collective_cost("all_reduce", 1e6, group)
+    across = Group(4, 2, 1.0, latency_us=400.0, all_gather_gb_per_s=0.25)  # measured on one host: not the network's
+    assert collective_cost("all_gather", 1e6, across) == collective_cost("all_gather", 1e6, Group(4, 2, 1.0, latency_us=400.0))
 
 
 def test_sequence_parallel_pays_the_transports_gathers_and_scatters() -> None:

@@ -244,7 +244,12 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
             raise ValueError(f"the rate block took {block['seconds']:.4g} s, no more than its dispatch and element-wise time: re-run the profile.")
         return block["flops"] / arithmetic / 1e12
 
-    alone = block_rate(measured["block_alone"]) if block and measured.get("block_alone") else 0.0
+    alone = 0.0  # not measured, or nothing left once the shared figures are taken out: the shared rate applies
+    if block and measured.get("block_alone"):
+        try:
+            alone = block_rate(measured["block_alone"])
+        except ValueError:
+            pass
     if block:
         gemm = block_rate(block)
         rate_from = (f"a {RATE_BLOCK['n_embd']}-wide block's forward + backward ({RATE_BATCH} x {RATE_BLOCK['block_size']} tokens, "

@@ -198,7 +198,7 @@ def _collective_cost(kind: str, nbytes: float, group: Group, nccl: NcclVersion) 
     if group.latency_us > 0:  # a measured transport (gloo): its start-up per ring step, one protocol
         steps = (2 if kind == "all_reduce" else 1) * (n - 1)  # the measured 2-rank all-reduce is 2 steps
         own = {"all_gather": group.all_gather_gb_per_s, "reduce_scatter": group.reduce_scatter_gb_per_s}.get(kind, 0.0)
-        if own > 0:
+        if own > 0 and group.nodes == 1:  # (measured between the processes of one host)
             bus = own * 1e9 * LINK_EFFICIENCY
         return CollectiveCost(group.latency_us / 2 * steps * 1e-6, wire / bus, "ring", "measured")
     best = None

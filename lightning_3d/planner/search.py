@@ -28,7 +28,7 @@ from lightning_3d.core.layout_rules import (
     world_refusals,
 )
 from lightning_3d.core.model_shape import ModelShape
-from lightning_3d.planner.collective_cost import NCCL_VERSIONS, Group, collective_cost
+from lightning_3d.planner.collective_cost import NCCL_VERSIONS, Group
 from lightning_3d.planner.context_parallel import CP_MIN_SEQUENCE, CP_MODES, ContextParallelCost, all_to_all_seconds, layer_cp_cost
 from lightning_3d.planner.data_parallel import DataParallelTime, replicated_params_comm, sharded_params_comm
 from lightning_3d.planner.hardware import ClusterSpec
@@ -40,7 +40,7 @@ from lightning_3d.planner.memory import (
     stage_in_flight,
     zero_model_state_bytes,
 )
-from lightning_3d.planner.timing import HBM_EFFICIENCY, MicroBatchCost, head_cost, layer_cost, optimizer_seconds, p2p_seconds
+from lightning_3d.planner.timing import HBM_EFFICIENCY, MicroBatchCost, head_cost, layer_cost, optimizer_seconds, p2p_seconds, tp_exchange_seconds
 from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_chunk_layers, zero_bubble_pipeline
 
 RECOMPUTE = ("none", "selective", "full")
@@ -486,7 +486,7 @@ class Planner:
         local_seq = model.seq_len / cp  # tokens of each sequence this device holds
         head_seconds = head_cost(model, cluster, mb, t, cp)
         if not p.software.tp_comm_overlap:
-            head_seconds += 2 * collective_cost("all_reduce", mb * local_seq * model.hidden * c, self._group(1, t), self.nccl).seconds
+            head_seconds += 2 * tp_exchange_seconds(mb * local_seq * model.hidden * c, t, layout.sequence_parallel, self._group(1, t), self.nccl)
         head_weight = head_seconds / cost.total if p.software.balanced_stages else 0.0
         layers, split_points = stage_layers(model.n_layer, pp, v, head_weight, layout.schedule in V_SHAPED)
         head_at = head_stage(layout.schedule, pp)
@@ -562,7 +562,7 @@ class Planner:
         hardware_flops = model.step_flops(p.global_batch, recompute_passes)
         model_flops = model.step_flops(p.global_batch, 0.0)
         tflops = hardware_flops / world / step / 1e12
-        mfu = model_flops / world / step / (cluster.device.peak_tflops * 1e12)
+        mfu = model_flops / world / step / (cluster.device.tflops(cluster.devices_per_node) * 1e12)  # the rate the plan assumed
         time = {
             "compute": m * stage_seconds - m * max(layers) * (cost.tp_comm + cost.cp_comm + cost.ep_comm),
             "tp_comm": m * max(layers) * cost.tp_comm,

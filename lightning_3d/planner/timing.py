@@ -118,13 +118,18 @@ def layer_cost(
     backward = 2.0 * gemm_fwd + BACKWARD_FACTOR * elem_fwd + recompute_fwd + overhead * 2 / 3
     collectives = 4 + (2 if recompute == "full" else 0)  # two in forward, two in backward, two in recompute
     activation = tokens * model.hidden * activation_bytes
-    # sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather: the same
-    # bytes and ring steps under NCCL, but a measured transport may run them at other rates
-    kinds = ("reduce_scatter", "all_gather") if sequence_parallel and tp > 1 else ("all_reduce",)
-    tp_comm = collectives * sum(collective_cost(kind, activation, tp_group, nccl).seconds for kind in kinds)
+    tp_comm = collectives * tp_exchange_seconds(activation, tp, sequence_parallel, tp_group, nccl)
     linear = gemm_fwd * 2.0 * model.layer_active_matmul_params / model.layer_forward_flops_per_token()
     attention = gemm_fwd * model.attention_forward_flops_per_token() / model.layer_forward_flops_per_token()
     return MicroBatchCost(forward, backward, tp_comm, linear, attention)
+
+
+def tp_exchange_seconds(nbytes: float, tp: int, sequence_parallel: bool, tp_group: Group, nccl: NcclVersion) -> float:
+    """One tensor-parallel exchange of an activation of ``nbytes``: an all-reduce, or with sequence
+    parallelism the reduce-scatter and all-gather that replace it (the same bytes and ring steps under
+    NCCL's model, with two start-ups; a measured transport may run them at their own rates)."""
+    kinds = ("reduce_scatter", "all_gather") if sequence_parallel and tp > 1 else ("all_reduce",)
+    return sum(collective_cost(kind, nbytes, tp_group, nccl).seconds for kind in kinds)
 
 
 def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int, cp: int = 1) -> float:
