@@ -172,16 +172,13 @@ def planned_layouts(cfg: Any, layouts: tuple[str, ...] = MEASURED_LAYOUTS) -> li
     return planned
 
 
-def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = MEASURED_LAYOUTS) -> dict[str, Any]:
-    """``lightning-3d profile`` on this machine, then for every layout the planner's step time and model
-    state next to the measured ones (``plan --measure``'s runner, alternating over the layouts
-    ``repeats`` times, median), the errors and the rank correlation (issue 37's table)."""
+def _profile_and_plan(layouts: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any], list[tuple[str, Any, Any]]]:
+    """``lightning-3d profile`` now, and the planner's estimate of every layout on that profile: the
+    measured figures, the recipe (a plain dict) and :func:`planned_layouts`' rows."""
     import json
     import tempfile
 
     from omegaconf import OmegaConf
-
-    from lightning_3d.apps.measure import measure
 
     with tempfile.TemporaryDirectory(prefix="l3d_profile_") as out:
         done = subprocess.run(
@@ -194,19 +191,36 @@ def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = M
         recipe = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(recipe, dict)
         recipe.pop("hydra", None)
-        planned = planned_layouts(cfg, layouts)
+        return measured_machine, recipe, planned_layouts(cfg, layouts)
+
+
+def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = MEASURED_LAYOUTS) -> dict[str, Any]:
+    """For every layout the planner's step time and model state next to the measured ones (``plan
+    --measure``'s runner), the errors and the rank correlation (issue 37's table). Each of the
+    ``repeats`` rounds profiles the machine (``lightning-3d profile``) and then measures every layout
+    once, so a prediction always rests on a profile taken minutes before its measurement (this host's
+    speed drifts by 20% over an hour); a row compares the median prediction with the median step."""
+    from lightning_3d.apps.measure import measure
+
     runs: dict[str, list[dict[str, Any]]] = {text: [] for text in layouts}
+    predicted: dict[str, list[float]] = {text: [] for text in layouts}
+    profiles = []
     for _ in range(repeats):
+        measured_machine, recipe, planned = _profile_and_plan(layouts)
+        profiles.append(measured_machine)
         for text, problem, estimate in planned:
+            predicted[text].append(estimate.step_seconds)
             runs[text] += measure(problem, [estimate], recipe, steps)
     rows = []
-    for text, _, estimate in planned:
+    for text, _, estimate in planned:  # (the last round's estimate for its state and its time split)
         step = statistics.median(r["measured_step_s"] for r in runs[text])
+        forecast = statistics.median(predicted[text])
         state = runs[text][0]["measured_state_mb"]
         predicted_state = runs[text][0]["predicted_state_mb"]
         rows.append({
-            "layout": text, "ranks": estimate.layout.world, "predicted_step_s": round(estimate.step_seconds, 4),
-            "measured_step_s": round(step, 4), "step_error": round(estimate.step_seconds / step - 1, 3),
+            "layout": text, "ranks": estimate.layout.world, "predicted_step_s": round(forecast, 4),
+            "predicted_each": [round(x, 4) for x in predicted[text]], "measured_each": [round(r["measured_step_s"], 4) for r in runs[text]],
+            "measured_step_s": round(step, 4), "step_error": round(forecast / step - 1, 3),
             "predicted_state_mb": round(predicted_state, 2), "measured_state_mb": None if state is None else round(state, 2),
             "state_error": round(predicted_state / state - 1, 3) if state else None,
             "predicted_time_s": {k: round(v, 4) for k, v in estimate.time.items() if v},
@@ -214,7 +228,7 @@ def predicted_vs_measured(steps: int, repeats: int, layouts: tuple[str, ...] = M
     errors = [abs(r["step_error"]) for r in rows]
     return {
         "case": "planner_predicted_vs_measured", "model": "gpt_tiny", "global_batch": 16, "steps": steps, "repeats": repeats,
-        "profile": {k: v for k, v in measured_machine.items() if k not in ("all_reduce",)},
+        "profiles": [{k: v for k, v in m.items() if k not in ("all_reduce",)} for m in profiles],
         "rows": rows,
         "within_15pct": sum(e <= 0.15 for e in errors), "of": len(rows),
         "mean_abs_step_error": round(statistics.fmean(errors), 3), "max_abs_step_error": round(max(errors), 3),
