@@ -4,3 +4,12 @@ and ranks that Lightning or torchrun launch (they inherit the variable and the s
 import os
 
 os.environ.setdefault("LIGHTNING_3D_STRICT_COMM", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trainer_scratch_under_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tests.helpers.quiet_trainer's scratch directories go under this session's base temp (and its
+    worlds' and subprocesses' too: they inherit the variable), which pytest removes, not loose in /tmp."""
+    os.environ["LIGHTNING_3D_TEST_TMP"] = str(tmp_path_factory.mktemp("trainers"))

@@ -46,10 +46,11 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        # Lightning's default checkpoint callback writes to default_root_dir (else the cwd)
-        default_root_dir=tempfile.mkdtemp(prefix="l3d-trainer-"),
     )
     defaults.update(kwargs)
+    if "default_root_dir" not in defaults:  # Lightning's default checkpoint callback writes there (else the cwd)
+        # under the session's base temp (tests/conftest.py), which pytest removes: each fit used to leave a directory in /tmp
+        defaults["default_root_dir"] = tempfile.mkdtemp(prefix="l3d-trainer-", dir=os.environ.get("LIGHTNING_3D_TEST_TMP"))
     return L.Trainer(**defaults)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,10 @@ def main(argv: list[str]) -> int:
         print(f"\n===== shard {k} of {len(procs)}: {' '.join(Path(f).stem for f in files)} =====")
         print(Path(log.name).read_text(), end="")
     print(f"\n{len(procs)} shards, {time.monotonic() - started:.0f} s; exit codes {codes}")
+    if any(codes):
+        print(f"logs and each shard's pytest base temp kept in {logs}")
+    else:  # printed in full above; the base temps hold every test's files
+        shutil.rmtree(logs, ignore_errors=True)
     # the first failure's code; a shard killed by a signal (negative) fails too, which max() would hide
     return next((code if code > 0 else 1 for code in codes if code), 0)
 
