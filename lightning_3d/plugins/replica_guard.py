@@ -120,8 +120,10 @@ def replica_groups(module: nn.Module, topology: Any, zero_stage: int, pipelines:
 def _fingerprint(tensors: list[Tensor], device: torch.device) -> Tensor:
     """[L1 norms..., L2 norms...] of the local copies, fp32, on the compute device."""
     local = [_local(t).detach() for t in tensors]
-    # in fp32 whatever the parameters' dtype: a bf16 norm would hide drift under bf16's resolution (0.4%)
-    norms = [torch.stack(torch._foreach_norm(local, order, dtype=torch.float32)) for order in (1, 2)]
+    # in fp32 whatever the parameters' dtype: a bf16 norm would hide drift under bf16's resolution (0.4%);
+    # fp64 parameters are normed in fp64 (torch refuses to narrow them), the fingerprint still fp32
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in local) else torch.float32
+    norms = [torch.stack(torch._foreach_norm(local, order, dtype=wide)).float() for order in (1, 2)]
     return torch.cat(norms).to(device)
 
 
