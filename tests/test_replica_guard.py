@@ -223,3 +223,13 @@ def test_every_is_refused_by_value_and_auto_keeps_checks_under_one_percent() -> 
     assert auto_every(check_s=0.002, step_s=0.5) == 1  # 0.4% of one step
     assert auto_every(check_s=0.02, step_s=0.5) == 4  # 1% of 4 steps = 20 ms
     assert auto_every(check_s=0.0, step_s=0.0) == 1
+
+
+def test_float64_parameters_get_a_fingerprint() -> None:
+    """torch refuses to narrow float64 into a float32 norm: the guard norms them in float64 (a float64
+    model used to fail at its first check), and bf16 ones still in float32."""
+    from lightning_3d.plugins.replica_guard import _fingerprint
+
+    wide = [torch.full((4,), 0.5, dtype=torch.float64), torch.ones(9)]
+    assert _fingerprint(wide, torch.device("cpu")).tolist() == [2.0, 9.0, 1.0, 3.0]  # L1s, then L2s
+    assert _fingerprint([torch.ones(4, dtype=torch.bfloat16)], torch.device("cpu")).dtype == torch.float32
