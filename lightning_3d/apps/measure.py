@@ -59,19 +59,20 @@ def measure_layout(strategy_kwargs: dict[str, Any], recipe: dict[str, Any], micr
     accumulate = 1 if strategy_kwargs.get("pipeline_parallel", 1) > 1 else micro_batches
     cfg = OmegaConf.create(recipe)
     cfg.data.global_batch_size = int(cfg.data.global_batch_size) // accumulate  # per loader batch
-    state = {"mb": float("nan")}
+    state = {"mb": 0.0}
 
     class PeakState(L.Callback):
         """The model state at its peak: just before an optimizer step, when this rank holds its gradients
         (ZeRO-2 frees its reduced slice after the step) and, from the second step on, the optimizer state;
-        also read at the end, before teardown releases anything."""
+        also read at the end, before teardown releases anything. Read in the warm-up only: the
+        report walks every tensor, which the timed steps must not pay."""
 
         def _read(self, trainer: L.Trainer) -> None:
-            mb = trainer.strategy.memory_report()["total"] / 2**20
-            state["mb"] = mb if state["mb"] != state["mb"] else max(state["mb"], mb)  # (nan: the first read)
+            state["mb"] = max(state["mb"], trainer.strategy.memory_report()["total"] / 2**20)
 
         def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-            self._read(trainer)
+            if trainer.global_step < WARMUP_STEPS:
+                self._read(trainer)
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             self._read(trainer)

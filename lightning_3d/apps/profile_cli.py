@@ -46,11 +46,12 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
     import torch
     import torch.distributed as dist
 
-    def timed(fn: Any, pick: Any) -> float:
+    def timed(fn: Any, pick: Any, together: bool = True) -> float:
         fn()  # warm-up
         times = []
         for _ in range(repeats):
-            dist.barrier()
+            if together:
+                dist.barrier()
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
@@ -94,21 +95,22 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
     return {
         "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
-        **gather_and_scatter(max(reduce_sizes), world, best),
-        "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical), "block_alone": block_alone(repeats),
+        **gather_and_scatter(max(reduce_sizes), world, best, cpu),
+        "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical),
+        "block_alone": block_alone(lambda fn: timed(fn, statistics.median, together=False)),
         "step_s": minimal_step_seconds(loop_steps, warmup=max(2, loop_steps // 5)),
     }
 
 
-def gather_and_scatter(nbytes: int, world: int, best: Any) -> dict[str, dict[str, float]]:
+def gather_and_scatter(nbytes: int, world: int, best: Any, device: Any) -> dict[str, dict[str, float]]:
     """The all-gather and reduce-scatter of ``nbytes`` (the gathered output, the scattered input) as
     sequence parallelism and ZeRO issue them (``*_into_tensor`` / ``*_tensor``), with the bus bandwidth
     nccl-tests reports: (n - 1) / n x bytes / seconds. Gloo runs them well below its all-reduce."""
     import torch
     import torch.distributed as dist
 
-    full = torch.zeros(max(world, nbytes // 4 // world * world))
-    part = torch.zeros(full.numel() // world)
+    full = torch.zeros(max(world, nbytes // 4 // world * world), device=device)
+    part = torch.zeros(full.numel() // world, device=device)
     out: dict[str, dict[str, float]] = {}
     for kind, call in (("all_gather", lambda: dist.all_gather_into_tensor(full, part)), ("reduce_scatter", lambda: dist.reduce_scatter_tensor(part, full))):
         seconds = best(call)
@@ -138,19 +140,11 @@ def block_seconds(best: Any) -> dict[str, float]:
     return {"seconds": best(lambda: block(x).sum().backward()), "flops": flops}
 
 
-def block_alone(repeats: int) -> Any:
+def block_alone(median_alone: Any) -> Any:
     """The rate block on rank 0 while the other ranks wait (``None`` elsewhere): a one-process layout's
-    rate, which the ranks computing at once (:func:`block_seconds`) understate on a shared host."""
+    rate, which the ranks computing at once (:func:`block_seconds`) understate on a shared host.
+    ``median_alone``: a timer with no collective inside (the others sit in the barrier)."""
     import torch.distributed as dist
-
-    def median_alone(fn: Any) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
 
     dist.barrier()
     out = block_seconds(median_alone) if dist.get_rank() == 0 else None
