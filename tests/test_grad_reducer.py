@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -68,6 +69,28 @@ def mixed_dtypes() -> dict[str, Any]:
     return {"buckets": reducer.num_buckets, "p32": p32.grad.tolist(), "p64": p64.grad.tolist()}
 
 
+def expert_slice_reduced_twice() -> dict[str, Any]:
+    """An expert slice held by this rank alone (ep=2 in a 2-rank world): its local gradient already sums
+    both ranks' rows, so the step's gradient is everything it accumulated divided by the 2 weight
+    replicas. Manual optimization reduces every backward (no ``no_sync``): sync, local, sync again."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_3d.core.param_meta import update_meta
+
+    rank = dist.get_rank()
+    alone = DeviceMesh("cpu", torch.arange(2).view(2, 1), mesh_dim_names=("ep", "replicas"))["replicas"]
+    expert, dense = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    update_meta(expert, replica_mesh=alone)
+    reducer = GradientReducer([expert, dense], dist.group.WORLD)
+    seen = []
+    for contribution, sync in ((1.0, True), (2.0, False), (4.0, True)):
+        with reducer.no_sync() if not sync else nullcontext():
+            ((rank + 1.0) * contribution * (expert.sum() + dense.sum())).backward()
+            reducer.after_backward()
+        seen.append((expert.grad.tolist(), dense.grad.tolist()))
+    return {"seen": seen}
+
+
 def world() -> dict[str, Any]:
     return run_checks(
         {
@@ -75,6 +98,7 @@ def world() -> dict[str, Any]:
             "unused": averaging_and_unused,
             "no_sync": no_sync_accumulates_locally,
             "dtypes": mixed_dtypes,
+            "expert": expert_slice_reduced_twice,
         }
     )
 
@@ -112,3 +136,15 @@ def test_each_dtype_gets_its_own_bucket(ranks):
         d = result_of(r, "dtypes")
         assert d["buckets"] == 2
         assert d["p32"] == d["p64"] == [1.5] * 4
+
+
+def test_an_expert_slice_reduced_by_several_backwards_of_one_step_counts_each_contribution_once(ranks):
+    for rank, r in enumerate(ranks):
+        seen = result_of(r, "expert")["seen"]
+        local = rank + 1.0
+        # the expert: its own rows only (already summed over the expert group), divided by 2 replicas
+        assert seen[0][0] == [local / 2] * 2
+        assert seen[2][0] == [(1 + 2 + 4) * local / 2] * 2
+        # the dense weight: the mean over both ranks of everything accumulated, 1.5 per unit
+        assert seen[0][1] == [1.5] * 2
+        assert seen[2][1] == [1.5 * 7] * 2

@@ -11,9 +11,15 @@ Semantics match one process exactly:
   gradient on some ranks is averaged with zeros from the others.
 * Averaging the whole accumulated ``param.grad`` is linear, so gradients already averaged by an
   earlier backward in the same step (several optimizers, GANs) stay correct.
-* A bucket of expert slices is summed over the ranks that hold them (their expert replicas) and
-  divided by the number of weight replicas like every bucket: an expert's local gradient already
-  sums the rows of its whole expert group (``lightning_3d/moe/expert_parallel.py``).
+* Expert slices: an expert's local gradient already sums the rows of its whole expert group
+  (``lightning_3d/moe/expert_parallel.py``), so the step's gradient is the sum over the ranks that
+  hold it (its ``R / ep`` expert replicas) divided by the ``R`` weight replicas. That operation is not
+  idempotent: applied again to a gradient reduced by an earlier backward of the same step (manual
+  optimization reduces every backward), it would divide that part by ``ep`` once more. So each
+  incoming expert gradient is scaled by ``owners / R`` as it arrives (a gradient hook, before
+  accumulation, under ``no_sync`` too), and its bucket is *averaged* over its owners like a dense
+  bucket over all replicas: every reduction is then a mean over the ranks holding identical copies,
+  which leaves an already reduced part unchanged.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class _Bucket:
     buffer: Tensor  # numel gradient slots followed by one presence flag per parameter
     present: list[bool] = field(default_factory=list)
     owners: Optional[dist.ProcessGroup] = None  # the ranks holding these parameters (None: one rank)
+    holders: int = 1  # how many ranks hold these parameters (the mean's divisor)
 
     def grad_view(self, i: int) -> Tensor:
         p = self.params[i]
@@ -58,8 +65,11 @@ class GradientReducer(BucketedBackward[_Bucket]):
                 total += p.numel()
             buffer = torch.zeros(total + len(members), dtype=members[0].dtype, device=members[0].device)
             owners = bucket_owners(members, group)
-            bucket = _Bucket(members, offsets, total, buffer, [False] * len(members), owners if dist.get_world_size(owners) > 1 else None)
-            buckets.append(bucket)
+            holders = dist.get_world_size(owners)
+            buckets.append(_Bucket(members, offsets, total, buffer, [False] * len(members), owners if holders > 1 else None, holders))
+            if holders != self.world:  # expert slices: each contribution scaled once, as it arrives
+                scale = holders / self.world
+                self._hooks.extend(p.register_hook(lambda g, s=scale: g * s) for p in members)
         self._register(buckets)
 
     @property
@@ -84,9 +94,9 @@ class GradientReducer(BucketedBackward[_Bucket]):
                     view.zero_()
             flags.append(1.0 if (bucket.present[i] or p.grad is not None) else 0.0)
         bucket.buffer[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
-        bucket.buffer[: bucket.numel].mul_(1.0 / self.world)  # the weight replicas, whoever holds the bucket
         if bucket.owners is None:
-            return None  # an expert slice held by one rank: nothing to sum, only the division
+            return None  # an expert slice held by one rank: its mean is itself (scaled on arrival)
+        bucket.buffer[: bucket.numel].mul_(1.0 / bucket.holders)  # the mean over identical copies
         return dist.all_reduce(bucket.buffer, group=bucket.owners, async_op=True)
 
     def _complete(self, bucket: _Bucket) -> None:
