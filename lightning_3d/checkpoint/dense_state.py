@@ -16,6 +16,7 @@ from typing import Any, Optional
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_3d.core.distributed import current_compute_device
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
 
 
@@ -25,11 +26,19 @@ def _sharded_spec(t: Any) -> Optional[TPSpec]:
 
 
 def to_dense(value: Tensor, spec: Optional[TPSpec]) -> Tensor:
-    """Gather a (DTensor and/or tensor-parallel) shard into the dense tensor (collective)."""
+    """Gather a (DTensor and/or tensor-parallel) shard into the dense tensor (collective), where the
+    shard lives. A shard in host memory (ZeRO-3 CPU offload) travels from the compute device: NCCL
+    refuses host tensors."""
     value = value.detach()
+    if not (hasattr(value, "full_tensor") or spec is not None):
+        return value
+    home, device = value.device, current_compute_device()
     if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return gather_full(value, spec) if spec is not None else value
+        from torch.distributed.tensor import DTensor
+
+        local = value.to_local().to(device)
+        value = DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()).full_tensor()
+    return (gather_full(value.to(device), spec) if spec is not None else value).to(home)
 
 
 def to_local(dense: Tensor, like: Tensor, spec: Optional[TPSpec]) -> Tensor:
