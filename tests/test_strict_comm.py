@@ -49,6 +49,14 @@ _HOST_SNIPPETS = _as_library_code(
         mark_host(state, "offloaded optimizer state")
         dist.all_reduce(state.pow(2).sum())
 
+    def offloaded_dtensor(device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        shard = distribute_tensor(torch.ones(4, 2, device=device), init_device_mesh(device.type, (2,)), [Shard(0)])
+        mark_host(shard, "a ZeRO-3 shard offloaded to the host")
+        shard.full_tensor()  # DTensor gathers through the functional collectives
+
     def correct(device):
         flag = torch.zeros(3, device=device)
         dist.all_reduce(flag)
@@ -79,6 +87,7 @@ def _rule_a_world() -> dict[str, Any]:
         "literal cpu": lambda: _expect_refusal(s["literal_cpu"]),
         "p2p header": lambda: _expect_refusal(s["p2p_header"], device),
         "offloaded state": lambda: _expect_refusal(s["offloaded_state"], device),
+        "offloaded dtensor": lambda: _expect_refusal(s["offloaded_dtensor"], device),
         "correct": lambda: s["correct"](device),
         "test code is not library code": lambda: (dist.all_reduce(torch.zeros(1)), "accepted")[-1],
     }
@@ -106,6 +115,7 @@ def test_gloo_alone_accepts_host_tensors(rule_a: list[dict[str, Any]]) -> None:
         ("literal cpu", "snippet.py:13 (host memory)"),
         ("p2p header", "snippet.py:16 (torch.zeros without device=)"),
         ("offloaded state", "offloaded optimizer state"),
+        ("offloaded dtensor", "a ZeRO-3 shard offloaded to the host"),
     ],
 )
 def test_host_tensor_refused_with_its_call_site(rule_a: list[dict[str, Any]], check: str, site: str) -> None:

@@ -1,7 +1,8 @@
 """Everything lightning_3d records about a parameter, in one typed record behind accessors.
 
 A parameter of a parallelized model may carry: its tensor-parallel spec (how it relates to the
-dense tensor), the gradient hook that sums a sequence-parallel replica's gradient over tp, the tp
+dense tensor), the gradient hook that sums a sequence-parallel replica's gradient over tp (and the
+one that scales an expert slice's gradient under ZeRO-0: hooks a pipeline defers alike), the tp
 group whose partial gradients ZeRO-3 sums instead (FSDP2 dropped the hook), whether it is a
 pipeline stage's copy of a weight another stage owns (a tied embedding: counted once), and the
 ranks that hold copies of it when not every weight replica does (experts under expert parallelism). The record is
@@ -24,6 +25,7 @@ _ATTR = "lightning_3d_meta"
 class ParameterMeta:
     tp_spec: Any = None  # a lightning_3d.tensor_parallel.spec.TPSpec; None: not tensor-parallel
     sequence_parallel_hook: Any = None  # the SumOverGroup gradient hook on it
+    arrival_scale_hook: Any = None  # ZeRO-0's ScaleOnArrival hook on an expert slice (zero/grad_reducer.py)
     partial_gradient_group: Any = None  # ZeRO-3: the tp group its partial gradient is summed over at the step
     pipeline_duplicate: bool = False  # a later stage's copy of a tied weight the first stage owns
     # a 1-D DeviceMesh of the ranks holding copies of it when they are fewer than the dp x cp replicas

@@ -297,7 +297,7 @@ class PipelineRuntime:
             p.grad = None
         with ExitStack() as stack:
             stack.enter_context(self.grad_sync_blocker())
-            stack.enter_context(self._sequence_parallel_sums_deferred())
+            stack.enter_context(self._arrival_hooks_deferred())
             total = self._run(micro, train=True)
         stash = _Stash(self, {id(p): p.grad for p in self.params})
         for p in self.params:
@@ -337,8 +337,11 @@ class PipelineRuntime:
         return out
 
     @contextmanager
-    def _sequence_parallel_sums_deferred(self) -> Any:
-        hooks = [h for h in (meta_of(p).sequence_parallel_hook for p in self.params) if h is not None]
+    def _arrival_hooks_deferred(self) -> Any:
+        """Gradient hooks that act on each contribution as it arrives (a sequence-parallel sum over tp,
+        an expert slice's scale) run once, at the backward that hands the stash over, not also at
+        each micro-batch's backward that fills it."""
+        hooks = [h for p in self.params for h in (meta_of(p).sequence_parallel_hook, meta_of(p).arrival_scale_hook) if h is not None]
         for h in hooks:
             h.enabled = False
         try:

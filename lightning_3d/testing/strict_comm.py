@@ -7,6 +7,8 @@ a. **Host tensors.** A tensor that lightning_3d code created without ``device=``
    moved to the host (``.cpu()``, ``pin_memory``), or that lives in offloaded host memory
    (:func:`mark_host`), and anything computed from it alone, is *host-tagged*; handing one to a
    collective or a point-to-point call raises :class:`StrictCommError` naming where it was made.
+   The collectives include torch's functional ones, which DTensor calls (``full_tensor``,
+   ``redistribute``): a host-tagged shard's local tensor is refused there too.
    A ``TorchFunctionMode`` does the tagging; ``.to(device=...)`` clears it. Model code
    (``lightning_3d.models``) is exempt: it builds on the CPU and is moved, as any PyTorch model is.
 b. **Tags are dropped.** Point-to-point messages match in posting order per (group, sender,
@@ -41,6 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -547,6 +550,16 @@ _COLLECTIVES = (
     "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
 )  # fmt: skip
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+# torch.distributed._functional_collectives: what DTensor (full_tensor, redistribute) and FSDP2's
+# helpers call; checked for host tensors (rule a) like c10d's own
+_FUNCTIONAL = (
+    "all_gather_tensor", "all_gather_tensor_autograd", "all_gather_single", "all_gather_single_autograd",
+    "all_reduce", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "reduce_scatter_single",
+    "reduce_scatter_single_autograd", "all_to_all_single", "all_to_all_single_autograd", "broadcast",
+    "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+    "all_gather_single_coalesced", "reduce_scatter_single_coalesced", "permute_tensor",
+)  # fmt: skip
+_FUNCTIONAL_ORIGINAL: dict[str, Callable] = {}
 _ORIGINAL: dict[str, Callable] = {}
 _UNWRAPPED: dict[Callable, Callable] = {}  # collective wrapper -> the torch function it checks
 
@@ -571,6 +584,18 @@ def _collective(name: str) -> Callable:
         if engine is not None and engine.live:
             group = signature.bind_partial(*args, **kwargs).arguments.get("group")
             engine.before_collective(group if group is not None else c10d._get_default_group(), name)
+        return original(*args, **kwargs)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _functional(name: str) -> Callable:
+    original = _FUNCTIONAL_ORIGINAL[name]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        check_device(f"functional {name}", [a for a in (*args, *kwargs.values()) if isinstance(a, (Tensor, list, tuple))])
         return original(*args, **kwargs)
 
     wrapper.__name__ = wrapper.__qualname__ = name
@@ -653,6 +678,10 @@ def _patch() -> None:
         for module in (c10d, dist):
             if hasattr(module, name):
                 setattr(module, name, replacement)
+    for name in _FUNCTIONAL:
+        if hasattr(funcol, name):
+            _FUNCTIONAL_ORIGINAL.setdefault(name, getattr(funcol, name))
+            setattr(funcol, name, _functional(name))
 
 
 def _unpatch() -> None:
@@ -661,6 +690,8 @@ def _unpatch() -> None:
         for module in (c10d, dist):
             if hasattr(module, name):
                 setattr(module, name, original)
+    for name, original in _FUNCTIONAL_ORIGINAL.items():
+        setattr(funcol, name, original)
 
 
 @contextmanager

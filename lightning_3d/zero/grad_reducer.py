@@ -17,7 +17,8 @@ Semantics match one process exactly:
   idempotent: applied again to a gradient reduced by an earlier backward of the same step (manual
   optimization reduces every backward), it would divide that part by ``ep`` once more. So each
   incoming expert gradient is scaled by ``owners / R`` as it arrives (a gradient hook, before
-  accumulation, under ``no_sync`` too), and its bucket is *averaged* over its owners like a dense
+  accumulation, under ``no_sync`` too; a pipeline runs it once, when it hands its stash over: the
+  hook is recorded on the parameter for that), and its bucket is *averaged* over its owners like a dense
   bucket over all replicas: every reduction is then a mean over the ranks holding identical copies,
   which leaves an already reduced part unchanged.
 """
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_3d.core.param_meta import update_meta
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 
 
@@ -51,11 +53,24 @@ class _Bucket:
         return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
+class ScaleOnArrival:
+    """Gradient hook: each incoming contribution times ``scale`` (off while a pipeline fills its stash,
+    which it hands over in one backward that runs the hook once)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.enabled = True
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        return grad * self.scale if self.enabled else grad
+
+
 class GradientReducer(BucketedBackward[_Bucket]):
     """Averages ``param.grad`` over ``group`` with bucketed, overlapped all-reduces."""
 
     def __init__(self, params: Iterable[Parameter], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(group)
+        self._scaled: list[Parameter] = []
         buckets = []
         # Autograd produces gradients roughly in reverse order of registration.
         for members in assign_buckets(unique_trainable(params)[::-1], bucket_bytes):
@@ -68,9 +83,18 @@ class GradientReducer(BucketedBackward[_Bucket]):
             holders = dist.get_world_size(owners)
             buckets.append(_Bucket(members, offsets, total, buffer, [False] * len(members), owners if holders > 1 else None, holders))
             if holders != self.world:  # expert slices: each contribution scaled once, as it arrives
-                scale = holders / self.world
-                self._hooks.extend(p.register_hook(lambda g, s=scale: g * s) for p in members)
+                hook = ScaleOnArrival(holders / self.world)
+                for p in members:
+                    self._hooks.append(p.register_hook(hook))
+                    update_meta(p, arrival_scale_hook=hook)  # (a pipeline defers it to its hand-over)
+                    self._scaled.append(p)
         self._register(buckets)
+
+    def remove(self) -> None:
+        super().remove()
+        for p in self._scaled:
+            update_meta(p, arrival_scale_hook=None)
+        self._scaled = []
 
     @property
     def active(self) -> bool:

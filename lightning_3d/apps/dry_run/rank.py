@@ -269,7 +269,7 @@ def measure_rank(
         stack.enter_context(fused_attention())
         stack.enter_context(zero.no_sync())  # gradient accumulation: no reduction until the step's end
         if runtime is not None:  # the runtime defers sequence-parallel sums to the step's end too
-            stack.enter_context(runtime._sequence_parallel_sums_deferred())
+            stack.enter_context(runtime._arrival_hooks_deferred())
         data = _inputs(batch)
         graph: list[tuple[Tensor, Optional[Tensor]]] = []
         for c, piece in zip(chunks, pieces):
