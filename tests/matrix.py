@@ -85,6 +85,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp2-pp2": dict(data_parallel=1, context_parallel=2, context_parallel_mode="all_to_all", pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=4),
     "dp2-ep2": dict(data_parallel=2, expert_parallel=2),
     "dp2-tp2-ep2": dict(data_parallel=2, tensor_parallel=2, expert_parallel=2),
+    # not a matrix factor (adding one re-deals every chunk of the full matrix's ledger): cells in
+    # tests/test_combinations.py; each pipeline stage holds one MoE block
+    "dp2-pp2-ep2": dict(data_parallel=2, pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=2, expert_parallel=2),
 }
 # A resumed cell continues under another layout of the same world size (the first that its ZeRO
 # stage allows): the checkpoint must reshard. Every data-parallel size here divides the sample

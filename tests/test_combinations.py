@@ -475,6 +475,11 @@ ITEM_CELLS = {
     "masked_dp2_zero2": Cell(zero=2, targets="masked"),
     # found by the matrix: manual optimization clips before opt.step(), i.e. before fp16 unscaling
     "fp16_manual_clip": Cell(zero=1, precision="16-mixed", clip="norm", optimizers="two"),
+    # pipeline x expert parallelism (no matrix layout has both): ZeRO-0's expert scale ran at every
+    # micro-batch's backward and again at the pipeline's hand-over; under manual optimization with
+    # accumulation, a second hand-over in the step on top
+    "pp_ep_manual_acc2": Cell(layout="dp2-pp2-ep2", experts="moe", accumulate=2, optimizers="two", targets="masked"),
+    "pp_ep_zero1_bf16": Cell(layout="dp2-pp2-ep2", experts="moe", zero=1, precision="bf16-mixed", accumulate=2, clip="norm"),
 }
 
 
