@@ -463,7 +463,9 @@ def _unchanged(model: MatrixGPT) -> bool:
     """The unused layer still holds its initial values (it never had a gradient). Collective under ZeRO-3."""
     if model.unused is None:
         return True
-    current = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (model.unused.weight, model.unused.bias)]
+    from lightning_3d.checkpoint.dense_state import to_dense
+
+    current = [to_dense(t, None) for t in (model.unused.weight, model.unused.bias)]
     return all(torch.equal(c.detach().float(), i.to(c.dtype).float()) for c, i in zip(current, model.unused_initial))
 
 

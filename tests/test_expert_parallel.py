@@ -94,11 +94,27 @@ def _sgd_moe_gpt(skew: tuple[float, ...] = (), **overrides: Any) -> Any:
     from tests.helpers import TINY_GPT
     from tests.test_moe import MOE_GPT
 
+    manual = overrides.pop("accumulate_manually", 0)
+
     class SGDGPT(GPTModule):
         routed: set[int] = set()
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.5)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            """``accumulate_manually=k``: manual optimization, as users write it: one backward per batch
+            (ZeRO-0 then reduces after every one), a clipped step every ``k`` batches."""
+            loss = super().training_step(batch, batch_idx)
+            if self.automatic_optimization:
+                return loss
+            self.manual_backward(loss / manual)
+            if (batch_idx + 1) % manual == 0:
+                optimizer = self.optimizers()
+                self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+                optimizer.step()
+                optimizer.zero_grad()
+            return loss.detach()
 
         def configure_model(self) -> None:
             super().configure_model()
@@ -111,7 +127,9 @@ def _sgd_moe_gpt(skew: tuple[float, ...] = (), **overrides: Any) -> Any:
                         layer.router.gate.weight.requires_grad_(False)  # (else the z-loss learns the skew away)
                     layer.router.register_forward_hook(lambda m, i, out: self.routed.update(out.experts.unique().tolist()))
 
-    return SGDGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT, **({"top_k": len(skew)} if skew else {}), **overrides}))
+    module = SGDGPT(GPTConfig(**{**TINY_GPT, **MOE_GPT, **({"top_k": len(skew)} if skew else {}), **overrides}))
+    module.automatic_optimization = not manual
+    return module
 
 
 def _ep_fit(
@@ -135,7 +153,7 @@ def _ep_fit(
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}"))
     trainer = quiet_trainer(
         max_steps=steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=root is not None,
-        strategy=ThreeDParallelStrategy(**strategy), gradient_clip_val=1.0,
+        strategy=ThreeDParallelStrategy(**strategy), gradient_clip_val=None if (model or {}).get("accumulate_manually") else 1.0,
     )
     module = _sgd_moe_gpt(skew, **(model or {}))
     module.routed = set()
@@ -161,6 +179,10 @@ EP_LAYOUTS = {  # 4 weight replicas: ep2 leaves 2 expert replicas per slice, ep4
     "tp2_sp_ep2": dict(data_parallel=2, tensor_parallel=2, sequence_parallel=True, expert_parallel=2, zero_stage=1),
 }
 PIPELINED = {"n_layer": 4, "moe_every": 1}  # pipelined cells: an MoE layer in each of zb_v's four pieces
+# manual optimization with 2 batches a step: ZeRO-0 reduces each backward, so the second reduction meets an
+# expert gradient reduced already (it was divided by ep twice), and a pipeline hands its stash over twice
+MANUAL = {"accumulate_manually": 2}
+MANUAL_LAYOUTS = {"ep2_manual": dict(expert_parallel=2), "pp2_ep2_manual": dict(data_parallel=2, pipeline_parallel=2, expert_parallel=2)}
 DENSE_FIRST_STAGE = {"n_layer": 4, "moe_every": 4}  # at pp2, only the last stage has an MoE block
 
 
@@ -172,6 +194,9 @@ def _ep_world(root: str) -> dict[str, Any]:
         name: (lambda name=name, s=s: _ep_fit(None, EP_STEPS, model=PIPELINED if name.startswith("pp2") else None, **s))
         for name, s in EP_LAYOUTS.items()
     }
+    for name, s in MANUAL_LAYOUTS.items():
+        model = {**MANUAL, **(PIPELINED if name.startswith("pp2") else {})}
+        checks[name] = lambda model=model, s=s: _ep_fit(None, EP_STEPS, model=model, **s)
     checks["saved"] = lambda: _ep_fit(saved, 2, expert_parallel=2)
     for ep in (1, 4):  # a fresh Trainer and model at another expert_parallel, from the ep2 checkpoint
         checks[f"resumed_ep{ep}"] = lambda ep=ep: _ep_fit(None, EP_STEPS, f"{saved}/step=2.ckpt", expert_parallel=ep)
@@ -219,6 +244,7 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
     single = run_on_ranks(_ep_fit, 1, None, EP_STEPS, timeout=300)[0]
     pipelined = run_on_ranks(_ep_fit, 1, None, EP_STEPS, model=PIPELINED, timeout=300)[0]
     dense_first = run_on_ranks(_ep_fit, 1, None, EP_STEPS, model=DENSE_FIRST_STAGE, timeout=300)[0]
+    manual = {name: run_on_ranks(_ep_fit, 1, None, EP_STEPS, model=model, timeout=300)[0] for name, model in (("plain", MANUAL), ("pp2", {**MANUAL, **PIPELINED}))}
     ranks = run_on_ranks(_ep_world, 4, str(tmp_path), timeout=900)
 
     def mean(name: str) -> list[float]:
@@ -232,6 +258,10 @@ def test_expert_parallel_through_the_strategy_matches_one_process_and_reshards_i
 
     for name in EP_LAYOUTS:
         want = pipelined if name.startswith("pp2") else single
+        np.testing.assert_allclose(mean(name), want["losses"], rtol=1e-5, err_msg=name)
+        same_weights(name, want)
+    for name in MANUAL_LAYOUTS:
+        want = manual["pp2" if name.startswith("pp2") else "plain"]
         np.testing.assert_allclose(mean(name), want["losses"], rtol=1e-5, err_msg=name)
         same_weights(name, want)
     np.testing.assert_allclose(mean("dense_stage"), dense_first["losses"], rtol=1e-5)

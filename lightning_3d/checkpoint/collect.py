@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ def _writes_whole(t: Tensor, topology: Topology) -> bool:
 def _row_chunk(t: Tensor) -> tuple[int, int]:
     """Flat range of this rank's FSDP2 row chunk (torch.chunk semantics over dim 0 of its mesh)."""
     rows = t.shape[0]
-    row_size = t[0].numel() if rows else 0
+    row_size = math.prod(t.shape[1:])  # (not t[0]: indexing a DTensor gathers the whole parameter)
     per = -(-rows // t.device_mesh.size())
     first = min(rows, t.device_mesh.get_local_rank() * per)
     last = min(rows, first + per)

@@ -7,8 +7,9 @@ group whose partial gradients ZeRO-3 sums instead (FSDP2 dropped the hook), whet
 pipeline stage's copy of a weight another stage owns (a tied embedding: counted once), and the
 ranks that hold copies of it when not every weight replica does (experts under expert parallelism). The record is
 immutable and replaced on every change, so two parameters that ever share one (a copied ``__dict__``)
-can never change each other. Written during set-up only (``parallelize`` and the transforms it
-applies); read everywhere else through :func:`meta_of`.
+can never change each other. Written during set-up (``parallelize`` and the transforms it applies,
+ZeRO-0's reducer when it is built) and by that reducer's removal at teardown; read everywhere else
+through :func:`meta_of`.
 """
 
 from __future__ import annotations
