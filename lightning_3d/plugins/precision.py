@@ -233,6 +233,7 @@ class ThreeDPrecision(Precision):
         self.topology: Optional[Topology] = None
         self.device_type = "cpu"
         self._unscaled: set[int] = set()  # optimizers whose gradients are unscaled for the coming step
+        self._summed: set[int] = set()  # optimizers whose partial gradients are summed over tp for it
 
     @property
     def mixed(self) -> bool:
@@ -281,8 +282,7 @@ class ThreeDPrecision(Precision):
         if self.scaler is None and _drives_its_closure(_raw(optimizer)):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # re-runs its closure
         closure_result = closure()
-        # ZeRO-3: gradients of replicated parameters on partial inputs, summed over tp (FSDP2 dropped their hooks)
-        sum_partial_gradients([p for g in _raw(optimizer).param_groups for p in g["params"]], self._device())
+        self._sum_partials_once(optimizer)
         if self.scaler is not None:
             at_floor = self.scaler.at_floor  # the scale this step used
             skip = self.found_overflow(optimizer)
@@ -299,6 +299,7 @@ class ThreeDPrecision(Precision):
         else:
             optimizer.step(**kwargs)
         self._unscaled.discard(id(_raw(optimizer)))
+        self._summed.discard(id(_raw(optimizer)))
         self._clip_norm.pop(id(_raw(optimizer)), None)
         if self.scaler is not None:
             self.scaler.update(skip)
@@ -414,8 +415,17 @@ class ThreeDPrecision(Precision):
             self.unscale_(optimizer, 1.0 / self.scaler.scale)
             self._unscaled.add(id(_raw(optimizer)))
 
+    def _sum_partials_once(self, optimizer: Any) -> None:
+        """ZeRO-3: the gradients of replicated parameters that see partial inputs, summed over tp
+        (FSDP2 dropped their hooks), once per step, whoever asks first: the step, or clipping that
+        manual optimization calls before ``opt.step()`` (a norm over partial gradients is another norm)."""
+        if id(_raw(optimizer)) not in self._summed:
+            sum_partial_gradients([p for g in _raw(optimizer).param_groups for p in g["params"]], self._device())
+            self._summed.add(id(_raw(optimizer)))
+
     def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
         if clip_val > 0:
+            self._sum_partials_once(optimizer)
             self._unscale_once(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
