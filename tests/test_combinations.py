@@ -528,7 +528,7 @@ class ClipNorms(L.Callback):
         self.norms: list[float] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        norm = trainer.precision_plugin._clip_norm.get(id(optimizer))
+        norm = trainer.precision_plugin._clip_norm.get(id(getattr(optimizer, "_optimizer", optimizer)))
         self.norms.append(float(norm) if norm is not None else float("nan"))
 
 
@@ -546,12 +546,41 @@ def manual_clip_norms(layout: str, tmp: str) -> list[float]:
     return norms.norms
 
 
+class OutsideAdamW(torch.optim.AdamW):
+    """AdamW under a class from outside ``torch.optim`` (as bitsandbytes', apex's or a user's are): the
+    precision plugin leaves its step to Lightning's ``optimizer.step(closure)``."""
+
+    elementwise = True  # (shards and slices step as the whole would: see optimizer_kinds)
+
+
+def outside_optimizer_run(layout: str, tmp: str) -> dict[str, Any]:
+    """Automatic optimization with clipping under ZeRO-3 x tp with MoE, through that path: the router's
+    partial gradients must still be summed over tp before the clip and the step (they were never summed
+    there)."""
+    from tests.matrix import LAYOUTS, FinalWeights, MatrixGPT, _trainer, matrix_loader
+
+    class OutsideGPT(MatrixGPT):
+        def configure_optimizers(self) -> Any:
+            config = super().configure_optimizers()
+            config["optimizer"].__class__ = OutsideAdamW  # the same optimizer and state, another class
+            return config
+
+    cell = Cell(layout=layout, zero=3 if layout != "one" else 0, clip="norm", experts="moe")
+    L.seed_everything(0)
+    model, losses, final = OutsideGPT(cell), LossRecorder(), FinalWeights(initial=layout == "one")
+    trainer = _trainer(cell, layout, Path(tmp) / f"outside-{layout}", losses, 1)
+    trainer.callbacks.append(final)
+    trainer.fit(model, matrix_loader("even", LAYOUTS[layout]["data_parallel"]))
+    return {"losses": losses.losses, "weights": final.weights, "initial": final.initial}
+
+
 def four_world(tmp: str) -> dict[str, Any]:
     checks: dict[str, Any] = {
         "replicas": replicas_agree,
         "dropout_streams": pipeline_dropout_streams,
         "generators": generators_agree_within_a_replica,
         "manual_clip_norms": lambda: manual_clip_norms("dp2-tp2-ep2", tmp),
+        "outside_optimizer": lambda: outside_optimizer_run("dp2-tp2-ep2", tmp),
     }
     checks.update({name: (lambda c=c: run_cell(c, tmp)) for name, c in ITEM_CELLS.items() if c.world == 4})
     return run_checks(checks)
@@ -584,6 +613,7 @@ def reference_world() -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="l3d-ref-") as tmp:
         out["manual_clip_norms"] = manual_clip_norms("one", tmp)
+        out["outside_optimizer"] = outside_optimizer_run("one", tmp)
     return out
 
 
@@ -739,3 +769,13 @@ def test_manual_clipping_under_zero3_tensor_parallel_sums_partial_gradients_firs
     assert len(want) == 6 and all(np.isfinite(want))  # 3 batches, two optimizers: both clip
     for r in four:
         np.testing.assert_allclose(result_of(r, "manual_clip_norms"), want, rtol=1e-5)
+
+
+def test_an_optimizer_from_outside_torch_optim_gets_the_tensor_parallel_sums_under_zero3(four, references):
+    from tests.matrix import check_weights
+
+    want = result_of(references, "outside_optimizer")
+    cell = Cell(layout="dp2-tp2-ep2", zero=3, clip="norm", experts="moe")
+    losses = np.mean([result_of(r, "outside_optimizer")["losses"] for r in four], axis=0)
+    np.testing.assert_allclose(losses, want["losses"], rtol=1e-5)
+    check_weights(cell, result_of(four[0], "outside_optimizer")["weights"], want)

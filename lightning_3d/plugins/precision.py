@@ -274,13 +274,21 @@ class ThreeDPrecision(Precision):
     # -- loss scaling ----------------------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         self._clip_norm.clear()  # a norm from before this backward no longer describes the gradients
+        # gradients this backward adds are scaled and partial again: the next clip or step unscales and
+        # sums (a clip that no step followed -- a skipped batch -- must not leave its mark on the next step)
+        self._unscaled.clear()
+        self._summed.clear()
         tensor = super().pre_backward(tensor, module)
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run the closure, agree over the world whether the step is finite, then step or skip it."""
         if self.scaler is None and _drives_its_closure(_raw(optimizer)):
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # re-runs its closure
+            try:  # (each closure call sums its partial gradients: _wrap_closure)
+                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # re-runs its closure
+            finally:
+                self._summed.discard(id(_raw(optimizer)))
+                self._clip_norm.pop(id(_raw(optimizer)), None)
         closure_result = closure()
         self._sum_partials_once(optimizer)
         if self.scaler is not None:
@@ -414,6 +422,14 @@ class ThreeDPrecision(Precision):
         if self.scaler is not None and id(_raw(optimizer)) not in self._unscaled:
             self.unscale_(optimizer, 1.0 / self.scaler.scale)
             self._unscaled.add(id(_raw(optimizer)))
+
+    def _wrap_closure(self, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        """Lightning's closure wrapper (for optimizers that call their closure themselves), with the tp
+        sum of partial gradients between the backward and the clipping."""
+        closure_result = closure()
+        self._sum_partials_once(optimizer)
+        self._after_closure(model, optimizer)
+        return closure_result
 
     def _sum_partials_once(self, optimizer: Any) -> None:
         """ZeRO-3: the gradients of replicated parameters that see partial inputs, summed over tp
