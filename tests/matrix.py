@@ -423,13 +423,14 @@ class FinalWeights(L.Callback):
         self.weights = self._dense(trainer)
 
 
-def run_cell(cell: Cell, tmp: str) -> dict[str, Any]:
+def run_cell(cell: Cell, tmp: str, model_type: type = MatrixGPT) -> dict[str, Any]:
     """Train the cell on this world (every rank calls it). Returns this rank's losses and whether the
-    unused layer stayed untouched, or ``{"refused": message}``."""
+    unused layer stayed untouched, or ``{"refused": message}``. ``model_type``: a MatrixGPT with a
+    change of the test's own (another optimizer class, say)."""
     work = Path(tmp) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", cell.id)
     dp = LAYOUTS[cell.layout]["data_parallel"]
     L.seed_everything(0)
-    model = MatrixGPT(cell)
+    model = model_type(cell)
     recorder = LossRecorder()
     expected = refusal(asdict(cell))
     try:
@@ -448,7 +449,7 @@ def run_cell(cell: Cell, tmp: str) -> dict[str, Any]:
         path = str(work / "ckpt" / "last.ckpt")
         partner, settings = _partner(cell)
         L.seed_everything(0)
-        model = MatrixGPT(cell)
+        model = model_type(cell)
         model.batches_seen = len(losses)
         recorder = LossRecorder()
         trainer = _trainer(settings, partner, work / "resumed", recorder, EPOCHS)
@@ -469,12 +470,12 @@ def _unchanged(model: MatrixGPT) -> bool:
     return all(torch.equal(c.detach().float(), i.to(c.dtype).float()) for c, i in zip(current, model.unused_initial))
 
 
-def reference_of(cell: Cell) -> dict[str, Any]:
+def reference_of(cell: Cell, model_type: type = MatrixGPT) -> dict[str, Any]:
     """One process, fp32, no parallel features: the losses and final weights every layout must
     reproduce (and the initial weights, to measure how far they moved)."""
     one = replace(cell, layout="one", zero=0, precision="32-true", recompute="none", offload="none", sequence_parallel=False, resume="no")
     with tempfile.TemporaryDirectory(prefix="l3d-ref-") as tmp:
-        run = run_cell(one, tmp)
+        run = run_cell(one, tmp, model_type)
     return {k: run[k] for k in ("losses", "weights", "initial")}
 
 

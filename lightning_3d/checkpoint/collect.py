@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import torch

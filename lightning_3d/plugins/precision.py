@@ -287,8 +287,7 @@ class ThreeDPrecision(Precision):
             try:  # (each closure call sums its partial gradients: _wrap_closure)
                 return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # re-runs its closure
             finally:
-                self._summed.discard(id(_raw(optimizer)))
-                self._clip_norm.pop(id(_raw(optimizer)), None)
+                self._step_done(optimizer)
         closure_result = closure()
         self._sum_partials_once(optimizer)
         if self.scaler is not None:
@@ -306,9 +305,7 @@ class ThreeDPrecision(Precision):
             optimizer.zero_grad()  # every rank skips this step together
         else:
             optimizer.step(**kwargs)
-        self._unscaled.discard(id(_raw(optimizer)))
-        self._summed.discard(id(_raw(optimizer)))
-        self._clip_norm.pop(id(_raw(optimizer)), None)
+        self._step_done(optimizer)
         if self.scaler is not None:
             self.scaler.update(skip)
         else:
@@ -422,6 +419,13 @@ class ThreeDPrecision(Precision):
         if self.scaler is not None and id(_raw(optimizer)) not in self._unscaled:
             self.unscale_(optimizer, 1.0 / self.scaler.scale)
             self._unscaled.add(id(_raw(optimizer)))
+
+    def _step_done(self, optimizer: Any) -> None:
+        """The step (or its skip) consumed this optimizer's once-per-step marks and its clip norm."""
+        key = id(_raw(optimizer))
+        self._unscaled.discard(key)
+        self._summed.discard(key)
+        self._clip_norm.pop(key, None)
 
     def _wrap_closure(self, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
         """Lightning's closure wrapper (for optimizers that call their closure themselves), with the tp

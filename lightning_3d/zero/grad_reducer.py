@@ -70,7 +70,6 @@ class GradientReducer(BucketedBackward[_Bucket]):
 
     def __init__(self, params: Iterable[Parameter], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(group)
-        self._scaled: list[Parameter] = []
         buckets = []
         # Autograd produces gradients roughly in reverse order of registration.
         for members in assign_buckets(unique_trainable(params)[::-1], bucket_bytes):
@@ -87,14 +86,14 @@ class GradientReducer(BucketedBackward[_Bucket]):
                 for p in members:
                     self._hooks.append(p.register_hook(hook))
                     update_meta(p, arrival_scale_hook=hook)  # (a pipeline defers it to its hand-over)
-                    self._scaled.append(p)
         self._register(buckets)
 
     def remove(self) -> None:
         super().remove()
-        for p in self._scaled:
-            update_meta(p, arrival_scale_hook=None)
-        self._scaled = []
+        for bucket in self.buckets:
+            if bucket.holders != self.world:
+                for p in bucket.params:
+                    update_meta(p, arrival_scale_hook=None)
 
     @property
     def active(self) -> bool:
