@@ -229,8 +229,9 @@ def replica_guard_cost(steps: int, repeats: int) -> dict[str, Any]:
 
 @case
 def tp2_vs_tp1(steps: int, repeats: int) -> dict[str, Any]:
-    """Step time of one model replica split over 2 ranks (tp=2) vs on 1 rank, same GPT and batch."""
-    result = _alternate({"tp2": (2, "3d:tp=2"), "tp1": (1, "3d")}, steps, repeats, global_batch=8)
+    """Step time of one model replica split over 2 ranks (tp=2, without and with sequence parallelism)
+    vs on 1 rank, same GPT and batch."""
+    result = _alternate({"tp2": (2, "3d:tp=2"), "tp2_sp": (2, "3d:tp=2,sp=true"), "tp1": (1, "3d")}, steps, repeats, global_batch=8)
     return {
         "case": "tp2_vs_tp1",
         "model": BENCH_GPT,
@@ -238,8 +239,10 @@ def tp2_vs_tp1(steps: int, repeats: int) -> dict[str, Any]:
         "steps": steps,
         "repeats": repeats,
         "tp2": result["tp2"],
+        "tp2_sp": result["tp2_sp"],
         "tp1": result["tp1"],
         "step_time_ratio": _ratio(result["tp2"]["step_time_s"], result["tp1"]["step_time_s"]),
+        "sp_over_tp2_step_time_ratio": _ratio(result["tp2_sp"]["step_time_s"], result["tp2"]["step_time_s"]),
         "peak_memory_ratio": _ratio(result["tp2"]["peak_memory_mb"], result["tp1"]["peak_memory_mb"]),
         "model_state_ratio": _ratio(result["tp2"]["model_state_mb"], result["tp1"]["model_state_mb"]),
     }

@@ -25,8 +25,8 @@ _ATTR = "lightning_3d_meta"
 @dataclass(frozen=True)
 class ParameterMeta:
     tp_spec: Any = None  # a lightning_3d.tensor_parallel.spec.TPSpec; None: not tensor-parallel
-    sequence_parallel_hook: Any = None  # the SumOverGroup gradient hook on it
-    arrival_scale_hook: Any = None  # ZeRO-0's ScaleOnArrival hook on an expert slice (zero/grad_reducer.py)
+    sequence_parallel_hook: Any = None  # the SumOverGroup gradient hook on it (``taken`` while a ZeRO 0-2 reducer sums its bucket)
+    arrival_scale_hook: Any = None  # ZeRO-0's ScaleOnArrival hook on an expert slice or SP replica (zero/grad_reducer.py)
     partial_gradient_group: Any = None  # ZeRO-3: the tp group its partial gradient is summed over at the step
     pipeline_duplicate: bool = False  # a later stage's copy of a tied weight the first stage owns
     # a 1-D DeviceMesh of the ranks holding copies of it when they are fewer than the dp x cp replicas

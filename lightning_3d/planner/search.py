@@ -40,7 +40,16 @@ from lightning_3d.planner.memory import (
     stage_in_flight,
     zero_model_state_bytes,
 )
-from lightning_3d.planner.timing import HBM_EFFICIENCY, MicroBatchCost, head_cost, layer_cost, optimizer_seconds, p2p_seconds, tp_exchange_seconds
+from lightning_3d.planner.timing import (
+    HBM_EFFICIENCY,
+    MicroBatchCost,
+    head_cost,
+    layer_cost,
+    optimizer_seconds,
+    p2p_seconds,
+    sequence_parallel_grad_sum_seconds,
+    tp_exchange_seconds,
+)
 from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_chunk_layers, zero_bubble_pipeline
 
 RECOMPUTE = ("none", "selective", "full")
@@ -555,7 +564,10 @@ class Planner:
         exposed_dp = dp_time.exposed
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
         loop = cluster.step_overhead_ms * 1e-3  # the training loop's own host time (profiled clusters)
-        step = pipeline + exposed_dp + opt + loop
+        sp_sum = 0.0
+        if layout.sequence_parallel and t > 1:
+            sp_sum = sequence_parallel_grad_sum_seconds(model, max(layers), self._group(1, t), self.nccl, p.software.grad_reduce_bytes)
+        step = pipeline + exposed_dp + sp_sum + opt + loop
 
         world = layout.world
         recompute_passes = {"none": 0.0, "full": 1.0, "selective": 0.0}[layout.recompute]
@@ -571,6 +583,7 @@ class Planner:
             "pp_bubble": bubble,
             "pp_p2p": m * v * p2p,
             "dp_comm_exposed": exposed_dp,
+            **({"sp_grad_sum": sp_sum} if sp_sum else {}),
             "optimizer": opt,
             **({"step_overhead": loop} if loop else {}),
         }

@@ -86,14 +86,31 @@ def replicated_spec(param: Tensor, group: dist.ProcessGroup, sequence_parallel: 
 
 class SumOverGroup:
     """Gradient hook summing each incoming gradient over a group; ``enabled`` lets a pipeline
-    runtime defer the sum to the single backward that hands its gradients to the optimizer."""
+    runtime defer the sum to the single backward that hands its gradients to the optimizer. A
+    data-parallel reducer that buckets the parameter sets ``taken`` and sums the bucket over the
+    group itself, in one call for all such parameters, instead of one blocking call per parameter."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.enabled = True
+        self.taken = False
 
     def __call__(self, grad: Tensor) -> Tensor:
-        return all_reduce(grad, self.group) if self.enabled else grad
+        return all_reduce(grad, self.group) if self.enabled and not self.taken else grad
+
+
+def sequence_parallel_group(param: Tensor) -> Optional[dist.ProcessGroup]:
+    """The tp group over which ``param``'s gradient is partial (a sequence-parallel replica), if any."""
+    hook = meta_of(param).sequence_parallel_hook
+    return hook.group if hook is not None and dist.get_world_size(hook.group) > 1 else None
+
+
+def take_sequence_parallel_sums(params: list[Tensor], taken: bool) -> None:
+    """Hand the tp sums of these parameters' gradients to a reducer (``taken``), or back to their hooks."""
+    for p in params:
+        hook = meta_of(p).sequence_parallel_hook
+        if hook is not None:
+            hook.taken = taken
 
 
 def mark_sequence_parallel(param: Tensor, group: dist.ProcessGroup) -> None:
@@ -113,19 +130,21 @@ def sum_partial_gradients(params: list[Tensor], device: torch.device) -> int:
     could not do it: FSDP2 (ZeRO-3) swaps the Parameter objects and writes the reduced-scattered
     shard's ``.grad`` itself, so the :class:`SumOverGroup` hook is gone. The sum of the dp-averaged
     shards over tp equals the dp average of the tp sums (both linear); done once per optimizer step,
-    in parameter order (every tp peer holds the same parameters). Returns how many were summed."""
-    count = 0
+    one all-reduce per (group, dtype) over the flattened gradients in parameter order (every tp peer
+    holds the same parameters, shards of the same sizes). Returns how many were summed."""
+    pending: dict[tuple[int, torch.dtype], tuple[dist.ProcessGroup, list[Tensor]]] = {}
     for p in params:
         group = meta_of(p).partial_gradient_group
         if group is None or p.grad is None:
             continue
         local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        moved = local.to(device)
-        dist.all_reduce(moved, group=group)
-        if moved is not local:
-            local.copy_(moved)
-        count += 1
-    return count
+        pending.setdefault((id(group), local.dtype), (group, []))[1].append(local)
+    for group, locals_ in pending.values():
+        flat = torch.cat([t.reshape(-1).to(device) for t in locals_])
+        dist.all_reduce(flat, group=group)
+        for t, part in zip(locals_, flat.split([t.numel() for t in locals_])):
+            t.copy_(part.view_as(t))
+    return sum(len(locals_) for _, locals_ in pending.values())
 
 
 def shard_tensor(full: Tensor, dim: int, world: int, rank: int, num_blocks: int = 1, padded_size: Optional[int] = None) -> Tensor:

@@ -29,6 +29,7 @@ from torch.nn import Parameter
 
 from lightning_3d.core.config import DEFAULT_BUCKET_MB
 from lightning_3d.core.param_meta import replica_mesh_of
+from lightning_3d.tensor_parallel.spec import sequence_parallel_group
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)
 
@@ -52,11 +53,12 @@ def unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:
 
 def assign_buckets(params: list[Parameter], bucket_bytes: int) -> list[list[Parameter]]:
     """Split parameters (already in gradient-ready order) into buckets per (device, dtype, the ranks
-    holding them: every weight replica, or an expert slice's expert replicas)."""
+    holding them: every weight replica, or an expert slice's expert replicas; the tp group their
+    gradient is partial over, for sequence-parallel replicas, whose bucket is summed over it)."""
     buckets: list[list[Parameter]] = []
     open_bucket: dict[tuple[Any, ...], tuple[list[Parameter], int]] = {}
     for p in params:
-        key = (p.device, p.dtype, id(replica_mesh_of(p)))
+        key = (p.device, p.dtype, id(replica_mesh_of(p)), id(sequence_parallel_group(p)))
         members, size = open_bucket.get(key, ([], 0))
         if members and size + p.numel() * p.element_size() > bucket_bytes:
             buckets.append(members)

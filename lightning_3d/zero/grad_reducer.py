@@ -21,6 +21,12 @@ Semantics match one process exactly:
   hook is recorded on the parameter for that), and its bucket is *averaged* over its owners like a dense
   bucket over all replicas: every reduction is then a mean over the ranks holding identical copies,
   which leaves an already reduced part unchanged.
+* Sequence-parallel replicas (layer norms, row-parallel biases, routers: a partial gradient on each
+  tp rank) go into buckets of their own, which the reducer sums over tp too, in place of one blocking
+  all-reduce per parameter from their hooks (``SumOverGroup.taken``). The same rule keeps it
+  idempotent: each contribution is scaled by tp as it arrives, and the bucket is averaged over dp,
+  then over tp (a mean over the dp x tp ranks, which end with identical copies). At dp = 1 the
+  reducer holds only these buckets.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_3d.core.param_meta import update_meta
+from lightning_3d.tensor_parallel.spec import sequence_parallel_group, take_sequence_parallel_sums
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 
 
@@ -47,6 +54,8 @@ class _Bucket:
     present: list[bool] = field(default_factory=list)
     owners: Optional[dist.ProcessGroup] = None  # the ranks holding these parameters (None: one rank)
     holders: int = 1  # how many ranks hold these parameters (the mean's divisor)
+    partial: Optional[dist.ProcessGroup] = None  # sequence-parallel replicas: the tp group their gradients are partial over
+    partial_world: int = 1
 
     def grad_view(self, i: int) -> Tensor:
         p = self.params[i]
@@ -71,8 +80,11 @@ class GradientReducer(BucketedBackward[_Bucket]):
     def __init__(self, params: Iterable[Parameter], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(group)
         buckets = []
+        trainable = unique_trainable(params)
+        if self.world == 1:  # nothing to average: only sequence-parallel replicas need a reduction (over tp)
+            trainable = [p for p in trainable if sequence_parallel_group(p) is not None]
         # Autograd produces gradients roughly in reverse order of registration.
-        for members in assign_buckets(unique_trainable(params)[::-1], bucket_bytes):
+        for members in assign_buckets(trainable[::-1], bucket_bytes):
             offsets, total = [], 0
             for p in members:
                 offsets.append(total)
@@ -80,24 +92,33 @@ class GradientReducer(BucketedBackward[_Bucket]):
             buffer = torch.zeros(total + len(members), dtype=members[0].dtype, device=members[0].device)
             owners = bucket_owners(members, group)
             holders = dist.get_world_size(owners)
-            buckets.append(_Bucket(members, offsets, total, buffer, [False] * len(members), owners if holders > 1 else None, holders))
-            if holders != self.world:  # expert slices: each contribution scaled once, as it arrives
-                hook = ScaleOnArrival(holders / self.world)
+            partial = sequence_parallel_group(members[0])
+            partial_world = dist.get_world_size(partial) if partial is not None else 1
+            buckets.append(
+                _Bucket(members, offsets, total, buffer, [False] * len(members), owners if holders > 1 else None, holders, partial, partial_world)
+            )
+            scale = holders / self.world * partial_world
+            if scale != 1.0:  # expert slices, sequence-parallel replicas: each contribution scaled once, as it arrives
+                hook = ScaleOnArrival(scale)
                 for p in members:
                     self._hooks.append(p.register_hook(hook))
                     update_meta(p, arrival_scale_hook=hook)  # (a pipeline defers it to its hand-over)
+            if partial is not None:
+                take_sequence_parallel_sums(members, True)
         self._register(buckets)
 
     def remove(self) -> None:
         super().remove()
         for bucket in self.buckets:
-            if bucket.holders != self.world:
+            if bucket.holders != self.world or bucket.partial is not None:
                 for p in bucket.params:
                     update_meta(p, arrival_scale_hook=None)
+            if bucket.partial is not None:
+                take_sequence_parallel_sums(bucket.params, False)
 
     @property
     def active(self) -> bool:
-        return self.enabled and self.world > 1
+        return self.enabled and bool(self.buckets)
 
     def _gradient_ready(self, bucket: _Bucket, index: int, param: Parameter) -> bool:
         if bucket.present[index]:
@@ -117,12 +138,16 @@ class GradientReducer(BucketedBackward[_Bucket]):
                     view.zero_()
             flags.append(1.0 if (bucket.present[i] or p.grad is not None) else 0.0)
         bucket.buffer[bucket.numel :].copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
+        divisor = bucket.holders * bucket.partial_world
+        if divisor > 1:  # the mean over identical copies (sequence-parallel replicas: over dp x tp)
+            bucket.buffer[: bucket.numel].mul_(1.0 / divisor)
         if bucket.owners is None:
-            return None  # an expert slice held by one rank: its mean is itself (scaled on arrival)
-        bucket.buffer[: bucket.numel].mul_(1.0 / bucket.holders)  # the mean over identical copies
+            return None  # an expert slice held by one rank, or dp = 1: its mean over dp is itself
         return dist.all_reduce(bucket.buffer, group=bucket.owners, async_op=True)
 
     def _complete(self, bucket: _Bucket) -> None:
+        if bucket.partial is not None:  # then over tp (after the dp sum: every rank calls it in bucket order)
+            dist.all_reduce(bucket.buffer[: bucket.numel], group=bucket.partial)
         flags = bucket.buffer[bucket.numel :].tolist()
         for i, p in enumerate(bucket.params):
             if flags[i] == 0:

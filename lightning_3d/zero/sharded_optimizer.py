@@ -36,6 +36,9 @@ parameter can be cut (:mod:`lightning_3d.zero.optimizer_kinds`).
 Expert slices (expert parallelism) go into buckets of their own, split over the ranks that hold
 them -- their expert replicas -- instead of every data-parallel rank; their gradients are summed
 there and divided by the number of weight replicas like every other (``grad_reducer.py`` says why).
+Sequence-parallel replicas (a partial gradient on each tp rank) also get buckets of their own: each
+reduction's result, this backward's part only, is summed over tp before it joins the slice, in one
+call per bucket instead of one per parameter from their hooks (``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from torch.optim import Optimizer
 from lightning_3d.core.distributed import current_compute_device
 from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.tensor_parallel.mappings import gather_along
-from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, shard_like
+from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, sequence_parallel_group, shard_like, take_sequence_parallel_sums
 from lightning_3d.testing.strict_comm import mark_host
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
@@ -111,6 +114,7 @@ class _Bucket:
     counted: list[tuple[int, int]] = field(default_factory=list)  # slice ranges counted in norms here
     owners: Optional[dist.ProcessGroup] = None  # the ranks holding these parameters (None: this one alone)
     partial: bool = False  # held by fewer ranks than the data-parallel group (expert slices)
+    partial_sum: Optional[dist.ProcessGroup] = None  # sequence-parallel replicas: the tp group each reduction is summed over
 
     def view(self, buf: Tensor, i: int) -> Tensor:
         p = self.params[i]
@@ -137,6 +141,15 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         self.stage = stage
         self.grad_device = grad_device  # stage 2 with offload: reduced slices go to host memory
         self._register(buckets)
+        for bucket in buckets:
+            if bucket.partial_sum is not None:
+                take_sequence_parallel_sums(bucket.params, True)
+
+    def remove(self) -> None:
+        super().remove()
+        for bucket in self.buckets:
+            if bucket.partial_sum is not None:
+                take_sequence_parallel_sums(bucket.params, False)
 
     def _transient(self, bucket: _Bucket) -> bool:
         return self.stage == 2 or bucket.reduced
@@ -187,6 +200,8 @@ class ShardedGradients(BucketedBackward[_Bucket]):
 
     def _complete(self, bucket: _Bucket) -> None:
         reduced = bucket.send if self.stage == 0 else bucket.recv  # stage 0: the slice is the whole bucket
+        if bucket.partial_sum is not None:  # this backward's (dp-averaged) part only, so a held slice is not summed again
+            dist.all_reduce(reduced, group=bucket.partial_sum)  # (every rank in bucket order; tp peers share the layout)
         if self.stage == 2:
             if bucket.grad_shard is None:
                 device = self.grad_device or reduced.device
@@ -279,6 +294,7 @@ class ZeroOptimizer:
         for bucket, group in zip(self.buckets, owners):
             bucket.owners = group if dist.get_world_size(group) > 1 else None
             bucket.partial = dist.get_world_size(group) < self.dp_size
+            bucket.partial_sum = sequence_parallel_group(bucket.params[0])
         # NVMe keeps Adam's step count per segment here (the moments are in the file).
         self.nvme_steps: list[list[int]] = [[0] * len(b.segments) for b in self.buckets]
         self.grads = ShardedGradients(self.buckets, dp_group, stage, grad_device=self.host)
