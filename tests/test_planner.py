@@ -652,6 +652,14 @@ def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) ->
     assert cluster.device.peak_tflops_alone == 0.0  # nor the block alone: one rate for any process count
     alone = cluster_from({**RECORDED_PROFILE, "block_alone": {"seconds": 0.0200, "flops": 1409286144.0}}, "alone", devices_per_node=2, ranks=2)[0]
     assert alone["device"]["peak_tflops_alone"] == pytest.approx(1409286144.0 / (0.0200 - 1.2e-3 - elementwise) / 1e12, rel=1e-3)
+    # ZeRO-3's host terms: the step difference's growth per layer (3 more units at 4 layers) and the rest per step
+    from lightning_3d.apps.profile_cli import zero3_overheads
+
+    zero3 = zero3_overheads(0.015, 0.031, 0.029, 0.054)
+    assert zero3 == pytest.approx({"unit_s": 0.003, "step_s": 0.010})
+    assert zero3_overheads(0.015, 0.031, 0.029, 0.040)["unit_s"] == 0.0  # noise that shrinks it: no per-unit part
+    terms = cluster_from({**RECORDED_PROFILE, "zero3": zero3}, "zero3", devices_per_node=2, ranks=2)[0]
+    assert (terms["zero3_step_overhead_ms"], terms["zero3_unit_overhead_us"]) == (10.0, 3000.0)
     gathers = cluster_from({**RECORDED_PROFILE, **RECORDED_GATHERS}, "gathers", devices_per_node=2, ranks=2)[0]
     assert (gathers["all_gather_gb_per_s"], gathers["reduce_scatter_gb_per_s"]) == (0.275, 0.2)  # / the link efficiency
     problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
@@ -681,6 +689,15 @@ def test_the_host_terms_add_what_they_say_to_a_step() -> None:
     two = [copy_with(c, devices_per_node=2) for c in (base, faster)]
     dp2 = parse_layout("dp=2,tp=1,pp=1,mb=4,zero=0")
     assert len({best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), dp2).time["compute"] for c in two}) == 1
+    # ZeRO-3's host terms: per step, and per unit (each layer and the root) and micro-batch; ZeRO 0-2 pay neither
+    sharded = copy_with(base, devices_per_node=2, zero3_step_overhead_ms=10.0, zero3_unit_overhead_us=3000.0)
+    zero3 = [best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), parse_layout("dp=2,tp=1,pp=1,mb=4,zero=3"))
+             for c in (copy_with(base, devices_per_node=2), sharded)]
+    assert zero3[1].step_seconds - zero3[0].step_seconds == pytest.approx(10e-3 + 3000e-6 * (layers + 1) * 2, rel=1e-9)
+    assert zero3[1].time["zero3_host"] == pytest.approx(10e-3 + 3000e-6 * (layers + 1) * 2, rel=1e-9)
+    zero1 = [best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), parse_layout("dp=2,tp=1,pp=1,mb=4,zero=1"))
+             for c in (copy_with(base, devices_per_node=2), sharded)]
+    assert zero1[0].step_seconds == zero1[1].step_seconds
     group = Group(2, 1, 1.0, latency_us=400.0)
     assert collective_cost("all_reduce", 1e6, group).seconds == pytest.approx(400e-6 + 1e6 / (1e9 * 0.8), rel=1e-9)
     assert collective_cost("all_gather", 1e6, group).latency == pytest.approx(200e-6)
@@ -712,6 +729,14 @@ def test_sequence_parallel_pays_the_transports_gathers_and_scatters() -> None:
     cpu = copy_with(load_cluster(compose("cluster=local_cpu").cluster), devices_per_node=2, collective_latency_us=400.0)
     slow = copy_with(cpu, all_gather_gb_per_s=cpu.intra_node_gb_per_s / 4, reduce_scatter_gb_per_s=cpu.intra_node_gb_per_s / 4)
     assert tp_seconds(slow, True) > 1.5 * tp_seconds(cpu, True)
+    # its replicated parameters' partial gradients: one all-reduce of them all over tp per step, exposed
+    problem = Problem(shape_of("gpt_tiny"), cpu, global_batch=16, precision="32-true")
+    times = [best_completion(Planner(problem), parse_layout(f"dp=1,tp=2,pp=1,mb=16,sp={sp}")).time for sp in ("true", "false")]
+    shape = shape_of("gpt_tiny")
+    replicated = shape.n_layer * shape.layer_replicated_params + shape.hidden * (2 if shape.bias else 1)
+    group = Group(2, 1, cpu.intra_node_gb_per_s, latency_us=400.0)
+    assert times[0]["sp_grad_sum"] == pytest.approx(collective_cost("all_reduce", replicated * 4.0, group).seconds, rel=1e-9)
+    assert "sp_grad_sum" not in times[1]
 
 
 def test_plan_measure_runs_the_top_layouts_here(capsys: pytest.CaptureFixture[str]) -> None:
@@ -754,7 +779,7 @@ def test_profile_measures_this_machine_and_writes_the_file(tmp_path: Path, capsy
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     measured = report["measured"]
     assert min(measured["gemm_tflops"].values()) > 0 and measured["copy_gb_per_s"] > 0
-    assert measured["layer_overhead_s"] > 0 and measured["step_s"] > 0
+    assert measured["layer_overhead_s"] > 0 and measured["step_s"] > 0 and set(measured["zero3"]) == {"unit_s", "step_s"}
     assert all(r["bus_gb_per_s"] > 0 for r in measured["all_reduce"].values())
     assert load_cluster(compose(f"hydra.searchpath=[file://{tmp_path}]", "cluster=here").cluster).devices_per_node == 2
     with pytest.raises(SystemExit):  # Hydra would compose the shipped cluster of that name instead

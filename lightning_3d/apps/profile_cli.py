@@ -21,7 +21,9 @@ measure at once, so each figure includes its neighbours' contention, and the slo
 * the forward + backward of a transformer block too small to compute: ``device.layer_overhead_us``,
   the per-layer dispatch time an eager CPU process pays in line;
 * the median step of a Trainer under the strategy on a one-layer GPT too small to compute, less
-  that layer and one all-reduce: ``step_overhead_ms``, the training loop's own time.
+  that layer and one all-reduce: ``step_overhead_ms``, the training loop's own time;
+* that step again under ZeRO-3, and both at 4 layers: what FSDP2 adds per unit (layer) and
+  micro-batch, and per step, ``zero3_unit_overhead_us`` and ``zero3_step_overhead_ms``.
 
 The measured figures and their sizes are printed as JSON.
 """
@@ -93,12 +95,14 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
         t = torch.zeros(max(1, nbytes // 4), device=cpu)
         seconds = best(lambda: dist.all_reduce(t))
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
+    warmup = max(2, loop_steps // 5)  # the minimal GPT's step: plain, under ZeRO-3, and both deeper
+    steps = [minimal_step_seconds(loop_steps, warmup, n, z) for n, z in ((1, 0), (1, 3), (ZERO3_DEEP, 0), (ZERO3_DEEP, 3))]
     return {
         "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
         **gather_and_scatter(max(reduce_sizes), world, best, cpu),
         "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical),
         "block_alone": block_alone(lambda fn: timed(fn, statistics.median, together=False)),
-        "step_s": minimal_step_seconds(loop_steps, warmup=max(2, loop_steps // 5)),
+        "step_s": steps[0], "zero3": zero3_overheads(*steps),
     }
 
 
@@ -170,12 +174,13 @@ def layer_overhead_seconds(best: Any, calls: int = 40) -> float:
     return best(passes) / calls
 
 
-def minimal_step_seconds(steps: int = 25, warmup: int = 5) -> float:
+def minimal_step_seconds(steps: int = 25, warmup: int = 5, n_layer: int = 1, zero_stage: int = 0) -> float:
     """The median optimizer step of a Trainer with our strategy over every rank (data parallel) on a
     one-layer GPT too small to compute, with GPTModule's own callbacks: the training loop's own time
     per step, plus one layer and the gradient all-reduce, which :func:`cluster_from` subtracts. The
     loop's collectives (the loss logged with ``sync_dist``, the finite-gradient vote) are in it, so
-    a one-rank layout is charged them too."""
+    a one-rank layout is charged them too. ``n_layer`` / ``zero_stage``: the same GPT deeper or
+    fully sharded, whose differences give ZeRO-3's host terms (:func:`zero3_overheads`)."""
     import torch.distributed as dist
 
     from lightning_3d.apps.measure import timed_fit
@@ -184,9 +189,21 @@ def minimal_step_seconds(steps: int = 25, warmup: int = 5) -> float:
     from lightning_3d.plugins.strategy import ThreeDParallelStrategy
 
     world = dist.get_world_size()
-    model = GPTModule(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16), warmup_steps=2)
+    model = GPTModule(GPTConfig(vocab_size=256, block_size=8, n_layer=n_layer, n_head=2, n_embd=16), warmup_steps=2)
     data = TextDataModule(block_size=8, global_batch_size=world, max_bytes=2**16)
-    return timed_fit(ThreeDParallelStrategy(data_parallel=world), model, data, steps, warmup)
+    return timed_fit(ThreeDParallelStrategy(data_parallel=world, zero_stage=zero_stage), model, data, steps, warmup)
+
+
+ZERO3_DEEP = 4  # layers of the deeper minimal GPT: 3 more FSDP units than the one-layer one
+
+
+def zero3_overheads(one_layer_zero0: float, one_layer_zero3: float, deep_zero0: float, deep_zero3: float) -> dict[str, float]:
+    """What ZeRO-3 adds to the minimal GPT's step, split into a part per FSDP unit (how the difference
+    grows from 1 to :data:`ZERO3_DEEP` layers) and a part per step (the one-layer difference less its 2
+    units: the layer and the root). Negative parts (noise) count as 0."""
+    extra_one, extra_deep = one_layer_zero3 - one_layer_zero0, deep_zero3 - deep_zero0
+    unit = max(0.0, (extra_deep - extra_one) / (ZERO3_DEEP - 1))
+    return {"unit_s": unit, "step_s": max(0.0, extra_one - 2 * unit)}
 
 
 def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -202,6 +219,7 @@ def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "copy_gb_per_s": min(r["copy_gb_per_s"] for r in per_rank),
         "all_reduce": reduce,
         **{key: max(r[key] for r in per_rank) for key in ("layer_overhead_s", "step_s", "loaded_latency_s") if key in first},
+        **({"zero3": {k: max(r["zero3"][k] for r in per_rank) for k in first["zero3"]}} if "zero3" in first else {}),
         **({"block": max((r["block"] for r in per_rank), key=lambda b: b["seconds"])} if "block" in first else {}),
         **({"block_alone": first["block_alone"]} if first.get("block_alone") else {}),
         **{kind: max((r[kind] for r in per_rank), key=lambda entry: entry["seconds"]) for kind in ("all_gather", "reduce_scatter") if kind in first},
@@ -268,6 +286,8 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "collective_latency_us": float(f"{latency_s * 1e6:.4g}"),
         **{f"{kind}_gb_per_s": float(f"{measured[kind]['bus_gb_per_s'] / LINK_EFFICIENCY:.4g}") for kind in ("all_gather", "reduce_scatter") if kind in measured},
         "step_overhead_ms": float(f"{loop_s * 1e3:.4g}"),
+        **({"zero3_step_overhead_ms": float(f"{measured['zero3']['step_s'] * 1e3:.4g}"),
+            "zero3_unit_overhead_us": float(f"{measured['zero3']['unit_s'] * 1e6:.4g}")} if "zero3" in measured else {}),
         "device": {
             "model": "cpu-process (measured)",
             "memory_gb": float(f"{ram_gb / devices_per_node:.4g}"),
@@ -296,6 +316,8 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "device.peak_tflops_alone: the same rate block on one process while the others wait (a one-process layout; 0: not measured).",
         "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
         "less that layer and one all-reduce: the training loop's own time (its callbacks; no logger, bar or checkpoints).",
+        f"zero3_*: that step under ZeRO-3 less under ZeRO-0, at 1 and {ZERO3_DEEP} layers: per FSDP unit and micro-batch (the",
+        "growth per layer) and per step (the rest): FSDP2's gathers, scatters, hooks and DTensor dispatch on this host.",
     ]
     return config, comments
 

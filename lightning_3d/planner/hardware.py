@@ -82,6 +82,11 @@ class ClusterSpec:
     # Per optimizer step, what the training loop itself costs on the host (Lightning's loop, callbacks,
     # the finite-gradient vote, logging), measured on a model too small to compute. 0: not modelled.
     step_overhead_ms: float = 0.0
+    # What ZeRO-3 (FSDP2) adds on the host over ZeRO-0, measured on models too small to compute: per
+    # optimizer step (the root unit, the sharded optimizer step, DTensor dispatch) and per FSDP unit
+    # (a layer) and micro-batch (its gathers, reduce-scatter, hooks and copies). 0: not modelled.
+    zero3_step_overhead_ms: float = 0.0
+    zero3_unit_overhead_us: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -101,7 +106,10 @@ class ClusterSpec:
             raise ValueError(f"cluster {self.name!r}: intra_node_gb_per_s must be positive.")
         if self.num_nodes > 1 and self.inter_node_gb_per_s <= 0:
             raise ValueError(f"cluster {self.name!r}: {self.num_nodes} nodes need inter_node_gb_per_s > 0.")
-        for name in ("collective_latency_us", "step_overhead_ms", "all_gather_gb_per_s", "reduce_scatter_gb_per_s"):
+        for name in (
+            "collective_latency_us", "step_overhead_ms", "all_gather_gb_per_s", "reduce_scatter_gb_per_s", "zero3_step_overhead_ms",
+            "zero3_unit_overhead_us",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {self.name!r}: {name}={getattr(self, name)!r} must be >= 0 (0: not modelled).")
         self.device.validate()

@@ -567,7 +567,10 @@ class Planner:
         sp_sum = 0.0
         if layout.sequence_parallel and t > 1:
             sp_sum = sequence_parallel_grad_sum_seconds(model, max(layers), self._group(1, t), self.nccl, p.software.grad_reduce_bytes)
-        step = pipeline + exposed_dp + sp_sum + opt + loop
+        zero3_host = 0.0
+        if layout.zero_stage == 3:  # a profiled host's FSDP2 work (0 on every shipped cluster)
+            zero3_host = cluster.zero3_step_overhead_ms * 1e-3 + cluster.zero3_unit_overhead_us * 1e-6 * (max(layers) + 1) * m
+        step = pipeline + exposed_dp + sp_sum + opt + loop + zero3_host
 
         world = layout.world
         recompute_passes = {"none": 0.0, "full": 1.0, "selective": 0.0}[layout.recompute]
@@ -586,6 +589,7 @@ class Planner:
             **({"sp_grad_sum": sp_sum} if sp_sum else {}),
             "optimizer": opt,
             **({"step_overhead": loop} if loop else {}),
+            **({"zero3_host": zero3_host} if zero3_host else {}),
         }
         comm = {"dp": dp_time.to_dict()}
         if cp > 1:
