@@ -22,8 +22,9 @@ measure at once, so each figure includes its neighbours' contention, and the slo
   the per-layer dispatch time an eager CPU process pays in line;
 * the median step of a Trainer under the strategy on a one-layer GPT too small to compute, less
   that layer and one all-reduce: ``step_overhead_ms``, the training loop's own time;
-* that step again under ZeRO-3, and both at 4 layers: what FSDP2 adds per unit (layer) and
-  micro-batch, and per step, ``zero3_unit_overhead_us`` and ``zero3_step_overhead_ms``.
+* that step again under ZeRO-3, and both at 4 layers, the four in turn over 3 rounds: what FSDP2
+  adds per unit (layer) and micro-batch, and per step, ``zero3_unit_overhead_us`` and
+  ``zero3_step_overhead_ms`` (each the median of its rounds' differences).
 
 The measured figures and their sizes are printed as JSON.
 """
@@ -43,7 +44,9 @@ from typing import Any
 MB = 2**20
 
 
-def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], repeats: int, loop_steps: int = 25) -> dict[str, Any]:
+def measure_rank(
+    gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], repeats: int, loop_steps: int = 25, zero3_rounds: int = 3
+) -> dict[str, Any]:
     """One rank's measurements (inside a process group: every rank runs this at once)."""
     import torch
     import torch.distributed as dist
@@ -95,14 +98,22 @@ def measure_rank(gemm_sizes: list[int], copy_mb: int, reduce_sizes: list[int], r
         t = torch.zeros(max(1, nbytes // 4), device=cpu)
         seconds = best(lambda: dist.all_reduce(t))
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
-    warmup = max(2, loop_steps // 5)  # the minimal GPT's step: plain, under ZeRO-3, and both deeper
-    steps = [minimal_step_seconds(loop_steps, warmup, n, z) for n, z in ((1, 0), (1, 3), (ZERO3_DEEP, 0), (ZERO3_DEEP, 3))]
+    # the minimal GPT's step: plain, under ZeRO-3, and both deeper; ZeRO-3's terms are differences of
+    # these, so each round runs all four in turn and each term is the median over the rounds
+    warmup = max(2, loop_steps // 5)
+    rounds = [
+        [minimal_step_seconds(loop_steps, warmup, n, z) for n, z in ((1, 0), (1, 3), (ZERO3_DEEP, 0), (ZERO3_DEEP, 3))]
+        for _ in range(zero3_rounds)
+    ]
+    steps = [statistics.median(column) for column in zip(*rounds)]
+    each = [zero3_overheads(*r) for r in rounds]
+    zero3 = {key: statistics.median(e[key] for e in each) for key in ("unit_s", "step_s")}
     return {
         "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
         **gather_and_scatter(max(reduce_sizes), world, best, cpu),
         "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical),
         "block_alone": block_alone(lambda fn: timed(fn, statistics.median, together=False)),
-        "step_s": steps[0], "zero3": zero3_overheads(*steps),
+        "step_s": steps[0], "zero3": zero3,
     }
 
 
@@ -363,7 +374,7 @@ def profile_main(argv: list[str]) -> int:
     from lightning_3d.testing.harness import run_on_ranks
 
     quick = args.quick
-    sizes = ([64, 128], 8, [4096, MB], 2, 6) if quick else ([256, 512, 1024], 256, [4096, 64 * 1024, MB, 16 * MB], 5, 25)
+    sizes = ([64, 128], 8, [4096, MB], 2, 6, 1) if quick else ([256, 512, 1024], 256, [4096, 64 * 1024, MB, 16 * MB], 5, 25, 3)
     start = time.perf_counter()
     measured = slowest(run_on_ranks(measure_rank, args.ranks, *sizes, timeout=600, strict=False))
     measured.update(
