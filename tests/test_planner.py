@@ -735,8 +735,8 @@ def test_sequence_parallel_pays_the_transports_gathers_and_scatters() -> None:
     shape = shape_of("gpt_tiny")
     replicated = shape.n_layer * shape.layer_replicated_params + shape.hidden * (2 if shape.bias else 1)
     group = Group(2, 1, cpu.intra_node_gb_per_s, latency_us=400.0)
-    assert times[0]["sp_grad_sum"] == pytest.approx(collective_cost("all_reduce", replicated * 4.0, group).seconds, rel=1e-9)
-    assert "sp_grad_sum" not in times[1]
+    assert times[0]["partial_grad_sum"] == pytest.approx(collective_cost("all_reduce", replicated * 4.0, group).seconds, rel=1e-9)
+    assert "partial_grad_sum" not in times[1]
 
 
 def test_plan_measure_runs_the_top_layouts_here(capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,7 +47,7 @@ from lightning_3d.planner.timing import (
     layer_cost,
     optimizer_seconds,
     p2p_seconds,
-    sequence_parallel_grad_sum_seconds,
+    partial_grad_sum_seconds,
     tp_exchange_seconds,
 )
 from lightning_3d.planner.zero_bubble import ZERO_BUBBLE, v_chunk_layers, zero_bubble_pipeline
@@ -565,8 +565,11 @@ class Planner:
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
         loop = cluster.step_overhead_ms * 1e-3  # the training loop's own host time (profiled clusters)
         sp_sum = 0.0
-        if layout.sequence_parallel and t > 1:
-            sp_sum = sequence_parallel_grad_sum_seconds(model, max(layers), self._group(1, t), self.nccl, p.software.grad_reduce_bytes)
+        if t > 1 and (layout.sequence_parallel or model.n_experts):
+            sp_sum = max(
+                partial_grad_sum_seconds(model, n, i == head_at, layout.sequence_parallel, self._group(1, t), self.nccl, p.software.grad_reduce_bytes)
+                for i, n in enumerate(layers)
+            )
         zero3_host = 0.0
         if layout.zero_stage == 3:  # a profiled host's FSDP2 work (0 on every shipped cluster)
             zero3_host = cluster.zero3_step_overhead_ms * 1e-3 + cluster.zero3_unit_overhead_us * 1e-6 * (max(layers) + 1) * m
@@ -586,7 +589,7 @@ class Planner:
             "pp_bubble": bubble,
             "pp_p2p": m * v * p2p,
             "dp_comm_exposed": exposed_dp,
-            **({"sp_grad_sum": sp_sum} if sp_sum else {}),
+            **({"partial_grad_sum": sp_sum} if sp_sum else {}),
             "optimizer": opt,
             **({"step_overhead": loop} if loop else {}),
             **({"zero3_host": zero3_host} if zero3_host else {}),

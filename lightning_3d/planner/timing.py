@@ -132,15 +132,17 @@ def tp_exchange_seconds(nbytes: float, tp: int, sequence_parallel: bool, tp_grou
     return sum(collective_cost(kind, nbytes, tp_group, nccl).seconds for kind in kinds)
 
 
-def sequence_parallel_grad_sum_seconds(
-    model: ModelShape, layers_on_stage: int, tp_group: Group, nccl: NcclVersion, grad_bytes: float
+def partial_grad_sum_seconds(
+    model: ModelShape, layers_on_stage: int, last_stage: bool, sequence_parallel: bool, tp_group: Group, nccl: NcclVersion, grad_bytes: float
 ) -> float:
-    """Sequence parallelism's replicated parameters (norms, row-parallel biases, routers) get a partial
-    gradient on each tp rank: one all-reduce of all of a stage's over tp per step. Backward produces them
-    last, so nothing hides it (lightning_3d's reducers: one sequence-parallel bucket; Megatron-Core:
-    its coalesced layer-norm all-reduce after the backward)."""
-    params = layers_on_stage * model.layer_replicated_params + model.hidden * (2 if model.bias else 1)
-    return collective_cost("all_reduce", params * grad_bytes, tp_group, nccl).seconds
+    """Replicated parameters that see a partial input on each tp rank (MoE routers under tp; with
+    sequence parallelism also the norms and row-parallel biases, and the last stage's final norm) get
+    partial gradients: one all-reduce of all of a stage's over tp per step. Backward produces them
+    last, so nothing hides it (lightning_3d's reducers: one bucket; Megatron-Core: its coalesced
+    layer-norm all-reduce after the backward)."""
+    per_layer = model.layer_replicated_params if sequence_parallel else model.moe_share * model.hidden * model.n_experts
+    params = layers_on_stage * per_layer + (model.hidden * (2 if model.bias else 1) if sequence_parallel and last_stage else 0)
+    return collective_cost("all_reduce", params * grad_bytes, tp_group, nccl).seconds if params else 0.0
 
 
 def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int, cp: int = 1) -> float:

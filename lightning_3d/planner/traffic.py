@@ -15,8 +15,8 @@ Per micro-batch and layer, with ``A = b (s / cp) h c`` (one activation of this r
   more in forward, the LM head's input one in backward (all-gather + reduce-scatter under SP, and the
   re-gather of its kept shard), and
   the vocab-parallel cross-entropy three fp32 all-reduces per token (max, sum of exponentials,
-  the target's logit). Sequence parallel adds, once per gradient hand-over, the all-reduce of the
-  norm weights' gradients (bf16).
+  the target's logit). Sequence parallel adds, once per step, the all-reduce of the norm weights'
+  gradients (fp32 under ZeRO 1-2 and mixed precision, else the compute dtype).
 * ``cp``: the ring's hops (:mod:`context_parallel`): forward ``cp - 1`` K/V blocks, backward ``cp``
   K/V + fp32 dK/dV; full recomputation runs the forward ring again.
 * ``pp``: an activation sent per micro-batch and piece that feeds another stage, an input gradient
@@ -30,7 +30,7 @@ Per micro-batch and layer, with ``A = b (s / cp) h c`` (one activation of this r
   of the ``E`` per-expert counts per forward. Balanced routing (``expert_imbalance`` scales the rows).
 * ``edp`` (the expert replicas, ``dp x cp / ep``): the routed experts' gradients and ZeRO gathers, as
   ``dp`` for the dense weights (which ``dp`` then leaves out). Under tp, the MoE routers' gradients
-  (partial on each tp rank) are all-reduced over tp once per gradient hand-over.
+  (partial on each tp rank) are all-reduced over tp once per step.
 * ``embedding``: with tied embeddings over pp > 1, the first and last stage all-reduce the tied
   weight's gradient once per step (its tp shard, in the compute dtype).
 """
@@ -90,14 +90,15 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
                 per_micro += ring("all_gather", act, t)  # its kept sequence shard, gathered again in backward
             per_micro += 3 * ring("all_reduce", mb * local * 4.0, t)  # vocab-parallel cross-entropy, fp32 per token
         out["tp"] = m * per_micro
-        # weights whose gradient is partial on each tp rank, summed once per gradient hand-over: the norms
-        # under sequence parallelism, MoE routers under any tp
+        # weights whose gradient is partial on each tp rank, summed once per step (the reducers' bucket at
+        # the synchronizing backward or a pipeline's hand-over; ZeRO-3 at the step): the norms under sequence
+        # parallelism, MoE routers under any tp; in the precision the gradients are reduced in
         partial = layers[index] * model.moe_share * model.hidden * model.n_experts
         if layout.sequence_parallel:
             partial += layers[index] * 2 * model.hidden * (2 if model.bias else 1) + (model.hidden if last else 0)
         if partial:
-            hand_overs = 1 if pp > 1 else m  # the pipeline sums once per step; without it every backward
-            out["tp"] += hand_overs * ring("all_reduce", partial * c, t)
+            reduce_bytes = 4.0 if layout.zero_stage in (1, 2) or "mixed" in problem.precision else c
+            out["tp"] += ring("all_reduce", partial * reduce_bytes, t)
 
     # -- context parallel ----------------------------------------------------------------------------
     if cp > 1:

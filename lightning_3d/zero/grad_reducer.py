@@ -148,7 +148,8 @@ class GradientReducer(BucketedBackward[_Bucket]):
     def _complete(self, bucket: _Bucket) -> None:
         if bucket.partial is not None:  # then over tp (after the dp sum: every rank calls it in bucket order)
             dist.all_reduce(bucket.buffer[: bucket.numel], group=bucket.partial)
-        flags = bucket.buffer[bucket.numel :].tolist()
+        # (a dry run's meta buffers have no values: every parameter counts as present)
+        flags = [1.0] * len(bucket.params) if bucket.buffer.is_meta else bucket.buffer[bucket.numel :].tolist()
         for i, p in enumerate(bucket.params):
             if flags[i] == 0:
                 continue  # no rank produced a gradient: leave grad as it was (None)

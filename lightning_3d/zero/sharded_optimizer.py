@@ -298,7 +298,11 @@ class ZeroOptimizer:
         # NVMe keeps Adam's step count per segment here (the moments are in the file).
         self.nvme_steps: list[list[int]] = [[0] * len(b.segments) for b in self.buckets]
         self.grads = ShardedGradients(self.buckets, dp_group, stage, grad_device=self.host)
-        self.inner = None if self.store is not None else self._inner_optimizer()
+        try:
+            self.inner = None if self.store is not None else self._inner_optimizer()
+        except BaseException:
+            self.grads.remove()  # give the hooks back their tp sums: no reducer will do them
+            raise
         self.state = self.optimizer.state  # Lightning moves/inspects this; ours lives in self.inner
         self._uploads: Optional[Any] = None  # CUDA event after the last step's master -> parameter copies
 
