@@ -660,6 +660,16 @@ def test_a_recorded_profile_becomes_a_cluster_that_plan_takes(tmp_path: Path) ->
     assert zero3_overheads(0.015, 0.031, 0.029, 0.040)["unit_s"] == 0.0  # noise that shrinks it: no per-unit part
     terms = cluster_from({**RECORDED_PROFILE, "zero3": zero3}, "zero3", devices_per_node=2, ranks=2)[0]
     assert (terms["zero3_step_overhead_ms"], terms["zero3_unit_overhead_us"]) == (10.0, 3000.0)
+    # a tp shard's rate: half the block's FLOPs over its time less dispatch, element-wise bytes and 4 all-reduces
+    from lightning_3d.core.model_shape import ModelShape
+    from lightning_3d.planner.timing import elementwise_forward_bytes
+
+    shape = ModelShape.from_config(dict(vocab_size=256, block_size=128, n_layer=1, n_head=4, n_embd=128), seq_len=128)
+    shard_bytes = 3 * elementwise_forward_bytes(shape, 8, tp=2, sequence_parallel=False, flash_attention=True)[0] / 34.74e9
+    all_reduces = 4 * (4.3e-4 + 8 * 128 * 128 * 4 / 1.62e9)
+    tp = cluster_from({**RECORDED_PROFILE, "block_tp": {"seconds": 0.0200, "tp": 2}}, "tp", devices_per_node=2, ranks=2)[0]
+    assert tp["device"]["peak_tflops_tp"] == pytest.approx(1409286144.0 / 2 / (0.0200 - 1.2e-3 - shard_bytes - all_reduces) / 1e12, rel=1e-3)
+    assert cluster.device.peak_tflops_tp == 0.0  # not in this profile: the full-width rate for shards too
     gathers = cluster_from({**RECORDED_PROFILE, **RECORDED_GATHERS}, "gathers", devices_per_node=2, ranks=2)[0]
     assert (gathers["all_gather_gb_per_s"], gathers["reduce_scatter_gb_per_s"]) == (0.275, 0.2)  # / the link efficiency
     problem = Problem(shape_of("gpt_tiny"), cluster, global_batch=16, precision="32-true")
@@ -689,6 +699,12 @@ def test_the_host_terms_add_what_they_say_to_a_step() -> None:
     two = [copy_with(c, devices_per_node=2) for c in (base, faster)]
     dp2 = parse_layout("dp=2,tp=1,pp=1,mb=4,zero=0")
     assert len({best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), dp2).time["compute"] for c in two}) == 1
+    # a tp shard's own rate applies to tp > 1 layouts only (their GEMMs, not the element-wise time)
+    pair = copy_with(base, devices_per_node=2)
+    narrow = copy_with(pair, device=copy_with(pair.device, peak_tflops_tp=pair.device.peak_tflops / 2))
+    for spec, slower in (("dp=1,tp=2,pp=1,mb=16", True), ("dp=2,tp=1,pp=1,mb=8", False)):
+        got = [best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), parse_layout(spec)).time["compute"] for c in (pair, narrow)]
+        assert (got[1] > 1.3 * got[0]) if slower else (got[1] == got[0]), (spec, got)
     # ZeRO-3's host terms: per step, and per unit (each layer and the root) and micro-batch; ZeRO 0-2 pay neither
     sharded = copy_with(base, devices_per_node=2, zero3_step_overhead_ms=10.0, zero3_unit_overhead_us=3000.0)
     zero3 = [best_completion(Planner(Problem(shape_of("gpt_tiny"), c, global_batch=16, precision="32-true")), parse_layout("dp=2,tp=1,pp=1,mb=4,zero=3"))

@@ -18,6 +18,9 @@ measure at once, so each figure includes its neighbours' contention, and the slo
   ``reduce_scatter_gb_per_s`` (gloo runs them at a fraction of its all-reduce's rate);
 * the rate block again on one process while the others wait: ``device.peak_tflops_alone``, the rate
   of a layout with one process on the host (processes computing at once slow each other);
+* the rate block split by the tensor-parallel plan over all the processes, less its all-reduces at
+  the figures above: ``device.peak_tflops_tp``, the rate of a layer's ``1 / t`` shard (narrower GEMMs
+  reach less per FLOP);
 * the forward + backward of a transformer block too small to compute: ``device.layer_overhead_us``,
   the per-layer dispatch time an eager CPU process pays in line;
 * the median step of a Trainer under the strategy on a one-layer GPT too small to compute, less
@@ -39,7 +42,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 MB = 2**20
 
@@ -111,7 +114,7 @@ def measure_rank(
     return {
         "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
         **gather_and_scatter(max(reduce_sizes), world, best, cpu),
-        "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical),
+        "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical), "block_tp": block_tp_seconds(typical),
         "block_alone": block_alone(lambda fn: timed(fn, statistics.median, together=False)),
         "step_s": steps[0], "zero3": zero3,
     }
@@ -153,6 +156,30 @@ def block_seconds(best: Any) -> dict[str, float]:
     shape = ModelShape.from_config(dict(RATE_BLOCK), seq_len=RATE_BLOCK["block_size"])
     flops = 3.0 * RATE_BATCH * RATE_BLOCK["block_size"] * shape.layer_forward_flops_per_token()
     return {"seconds": best(lambda: block(x).sum().backward()), "flops": flops}
+
+
+def block_tp_seconds(median: Any) -> Optional[dict[str, float]]:
+    """The rate block split by the GPT's tensor-parallel plan over every process of the profile (no
+    sequence parallelism): each holds ``1 / t`` of its GEMMs and heads and issues its 4 all-reduces
+    (2 in forward, 2 in backward), all computing at once. ``None`` where ``t`` does not divide the heads."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_3d.models.adapters.gpt import gpt_plan
+    from lightning_3d.models.gpt import GPT, GPTConfig
+    from lightning_3d.tensor_parallel.plans import PlanContext, apply_plan
+    from lightning_3d.tensor_parallel.random import RNGStatesTracker, seed_tracker
+
+    world = dist.get_world_size()
+    if RATE_BLOCK["n_head"] % world:
+        return None
+    tracker = RNGStatesTracker("cpu")
+    seed_tracker(tracker, dist.get_rank(), base_seed=0)
+    model = GPT(GPTConfig(**RATE_BLOCK))
+    apply_plan(model, gpt_plan(model), PlanContext(dist.group.WORLD, False, tracker))
+    block = model.blocks[0]
+    x = torch.randn(RATE_BATCH, RATE_BLOCK["block_size"], RATE_BLOCK["n_embd"], requires_grad=True)
+    return {"seconds": median(lambda: block(x).sum().backward()), "tp": world}
 
 
 def block_alone(median_alone: Any) -> Any:
@@ -233,6 +260,7 @@ def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         **({"zero3": {k: max(r["zero3"][k] for r in per_rank) for k in first["zero3"]}} if "zero3" in first else {}),
         **({"block": max((r["block"] for r in per_rank), key=lambda b: b["seconds"])} if "block" in first else {}),
         **({"block_alone": first["block_alone"]} if first.get("block_alone") else {}),
+        **({"block_tp": max((r["block_tp"] for r in per_rank), key=lambda b: b["seconds"])} if first.get("block_tp") else {}),
         **{kind: max((r[kind] for r in per_rank), key=lambda entry: entry["seconds"]) for kind in ("all_gather", "reduce_scatter") if kind in first},
     }
 
@@ -273,6 +301,9 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
             alone = block_rate(measured["block_alone"])
         except ValueError:
             pass
+    tp_rate = 0.0  # not measured: the full-width rate applies to tp shards too
+    if block and measured.get("block_tp"):
+        tp_rate = tensor_parallel_rate(measured, RATE_BLOCK, RATE_BATCH, block["flops"])
     if block:
         gemm = block_rate(block)
         rate_from = (f"a {RATE_BLOCK['n_embd']}-wide block's forward + backward ({RATE_BATCH} x {RATE_BLOCK['block_size']} tokens, "
@@ -308,6 +339,7 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
             "reserved_gb": 0.0,
             "layer_overhead_us": float(f"{layer_s * 1e6:.4g}"),
             "peak_tflops_alone": float(f"{alone:.4g}"),
+            "peak_tflops_tp": float(f"{tp_rate:.4g}"),
         },
     }
     load_cluster(config).validate()  # a figure that makes no valid cluster fails here, before any file is written
@@ -327,10 +359,33 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "device.peak_tflops_alone: the same rate block on one process while the others wait (a one-process layout; 0: not measured).",
         "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
         "less that layer and one all-reduce: the training loop's own time (its callbacks; no logger, bar or checkpoints).",
+        "device.peak_tflops_tp: the rate block split by the tp plan over the processes, less its dispatch, element-wise",
+        "bytes and 4 all-reduces at the figures above (narrow GEMMs reach less per FLOP; 0: not measured).",
         f"zero3_*: that step under ZeRO-3 less under ZeRO-0, at 1 and {ZERO3_DEEP} layers: per FSDP unit and micro-batch (the",
         "growth per layer) and per step (the rest): FSDP2's gathers, scatters, hooks and DTensor dispatch on this host.",
     ]
     return config, comments
+
+
+def tensor_parallel_rate(measured: dict[str, Any], block_config: dict[str, Any], batch: int, flops: float) -> float:
+    """TFLOP/s of a tensor-parallel shard of the rate block: its share of the FLOPs over its time less what
+    the planner charges a tp layer apart (its dispatch, its element-wise bytes at the copy rate, 4
+    all-reduces of its activation at the measured latency and bus bandwidth). 0 when nothing is left."""
+    from lightning_3d.core.model_shape import ModelShape
+    from lightning_3d.planner.search import SOFTWARE
+    from lightning_3d.planner.timing import BACKWARD_FACTOR, elementwise_forward_bytes
+
+    tp_block, t = measured["block_tp"], measured["block_tp"]["tp"]
+    shape = ModelShape.from_config(dict(block_config), seq_len=block_config["block_size"])
+    forward_bytes, _ = elementwise_forward_bytes(shape, batch, tp=t, sequence_parallel=False, flash_attention=SOFTWARE["lightning_3d"].flash_attention)
+    elementwise = (1 + BACKWARD_FACTOR) * forward_bytes / (measured["copy_gb_per_s"] * 1e9)
+    reduce = measured["all_reduce"]
+    smallest, largest = min(reduce, key=int), max(reduce, key=int)
+    latency = max(reduce[smallest]["seconds"], measured.get("loaded_latency_s", 0.0))
+    activation = batch * block_config["block_size"] * block_config["n_embd"] * 4.0
+    comm = 4 * (latency + 2.0 * (t - 1) / t * activation / (reduce[largest]["bus_gb_per_s"] * 1e9))
+    arithmetic = tp_block["seconds"] - measured.get("layer_overhead_s", 0.0) - elementwise - comm
+    return flops / t / arithmetic / 1e12 if arithmetic > 0 else 0.0
 
 
 def write_cluster(config: dict[str, Any], comments: list[str], directory: Path) -> Path:

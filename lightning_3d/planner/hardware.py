@@ -36,14 +36,21 @@ class DeviceSpec:
     # A CPU process's rate when it is the only one computing on the host (``lightning-3d profile``
     # measures both): processes sharing cores and memory bandwidth slow each other. 0: peak_tflops.
     peak_tflops_alone: float = 0.0
+    # A CPU process's rate on a tensor-parallel shard of a block (GEMMs 1/t as wide, heads split), the
+    # profile's processes computing at once: narrow GEMMs reach less per FLOP on a CPU. 0: peak_tflops.
+    peak_tflops_tp: float = 0.0
 
-    def tflops(self, processes_on_host: int) -> float:
-        """The peak rate with ``processes_on_host`` devices of the node computing at once."""
+    def tflops(self, processes_on_host: int, tp: int = 1) -> float:
+        """The peak rate with ``processes_on_host`` devices of the node computing at once, on ``1 / tp``
+        of each layer's width."""
+        if tp > 1 and self.peak_tflops_tp > 0:
+            return self.peak_tflops_tp
         return self.peak_tflops_alone if processes_on_host == 1 and self.peak_tflops_alone > 0 else self.peak_tflops
 
     def validate(self) -> None:
-        if self.peak_tflops_alone < 0:
-            raise ValueError(f"device.peak_tflops_alone={self.peak_tflops_alone!r} must be >= 0 (0: peak_tflops).")
+        for name in ("peak_tflops_alone", "peak_tflops_tp"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"device.{name}={getattr(self, name)!r} must be >= 0 (0: peak_tflops).")
         for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gb_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"device.{name}={getattr(self, name)!r} must be positive (device model {self.model!r}).")

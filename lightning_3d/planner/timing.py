@@ -104,7 +104,7 @@ def layer_cost(
     activation element's size (2 under mixed precision, 4 in fp32), what the tp all-reduces carry."""
     device = cluster.device
     tokens = micro_batch * model.seq_len / cp
-    gemm_rate = device.tflops(cluster.devices_per_node) * 1e12 * device.gemm_efficiency
+    gemm_rate = device.tflops(cluster.devices_per_node, tp) * 1e12 * device.gemm_efficiency
     hbm_rate = device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY
     gemm_fwd = tokens * model.layer_forward_flops_per_token() / tp / gemm_rate
 
@@ -150,7 +150,7 @@ def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int
     ``s / cp`` tokens this device holds."""
     device = cluster.device
     tokens = micro_batch * model.seq_len / cp
-    gemm = 3.0 * tokens * model.head_forward_flops_per_token() / tp / (device.tflops(cluster.devices_per_node) * 1e12 * device.gemm_efficiency)
+    gemm = 3.0 * tokens * model.head_forward_flops_per_token() / tp / (device.tflops(cluster.devices_per_node, tp) * 1e12 * device.gemm_efficiency)
     # softmax cross-entropy over fp32 logits: read/write them in forward and backward
     elem = 4.0 * tokens * model.vocab / tp * 4.0 / (device.memory_bandwidth_gb_per_s * 1e9 * HBM_EFFICIENCY)
     return gemm + elem
