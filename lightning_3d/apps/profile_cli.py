@@ -18,16 +18,19 @@ measure at once, so each figure includes its neighbours' contention, and the slo
   ``reduce_scatter_gb_per_s`` (gloo runs them at a fraction of its all-reduce's rate);
 * the rate block again on one process while the others wait: ``device.peak_tflops_alone``, the rate
   of a layout with one process on the host (processes computing at once slow each other);
-* the rate block split by the tensor-parallel plan over all the processes, less its all-reduces at
-  the figures above: ``device.peak_tflops_tp``, the rate of a layer's ``1 / t`` shard (narrower GEMMs
-  reach less per FLOP);
+* the rate block split by the tensor-parallel plan over all the processes (t = ``--ranks``), less
+  its dispatch, element-wise bytes and 4 all-reduces as the planner charges them:
+  ``device.peak_tflops_tp``, the rate of a layer's ``1 / t`` shard (narrower GEMMs reach less per
+  FLOP), used for every t > 1;
 * the forward + backward of a transformer block too small to compute: ``device.layer_overhead_us``,
   the per-layer dispatch time an eager CPU process pays in line;
 * the median step of a Trainer under the strategy on a one-layer GPT too small to compute, less
   that layer and one all-reduce: ``step_overhead_ms``, the training loop's own time;
-* that step again under ZeRO-3, and both at 4 layers, the four in turn over 3 rounds: what FSDP2
-  adds per unit (layer) and micro-batch, and per step, ``zero3_unit_overhead_us`` and
-  ``zero3_step_overhead_ms`` (each the median of its rounds' differences).
+* a 4-layer minimal GPT's step under ZeRO-0 and ZeRO-3, at 1 and 2 micro-batches, the four in turn
+  over 3 rounds, less what the planner charges each (ZeRO-3's gathers and scatters, the sharded
+  optimizer): what FSDP2 adds per unit (a layer, the root) and micro-batch (the growth with a
+  micro-batch), and per step (the rest), ``zero3_unit_overhead_us`` and ``zero3_step_overhead_ms``
+  (each the median over the rounds).
 
 The measured figures and their sizes are printed as JSON.
 """
@@ -101,23 +104,16 @@ def measure_rank(
         t = torch.zeros(max(1, nbytes // 4), device=cpu)
         seconds = best(lambda: dist.all_reduce(t))
         reduce[nbytes] = {"seconds": seconds, "bus_gb_per_s": 2.0 * (world - 1) / world * t.numel() * 4 / seconds / 1e9}
-    # the minimal GPT's step: plain, under ZeRO-3, and both deeper; ZeRO-3's terms are differences of
-    # these, so each round runs all four in turn and each term is the median over the rounds
-    warmup = max(2, loop_steps // 5)
-    rounds = [
-        [minimal_step_seconds(loop_steps, warmup, n, z) for n, z in ((1, 0), (1, 3), (ZERO3_DEEP, 0), (ZERO3_DEEP, 3))]
-        for _ in range(zero3_rounds)
-    ]
-    steps = [statistics.median(column) for column in zip(*rounds)]
-    each = [zero3_overheads(*r) for r in rounds]
-    zero3 = {key: statistics.median(e[key] for e in each) for key in ("unit_s", "step_s")}
-    return {
+    out = {
         "gemm_tflops": gemm, "copy_gb_per_s": copy, "all_reduce": reduce, "loaded_latency_s": loaded_latency,
         **gather_and_scatter(max(reduce_sizes), world, best, cpu),
         "layer_overhead_s": layer_overhead_seconds(typical), "block": block_seconds(typical), "block_tp": block_tp_seconds(typical),
         "block_alone": block_alone(lambda fn: timed(fn, statistics.median, together=False)),
-        "step_s": steps[0], "zero3": zero3,
     }
+    warmup = max(2, loop_steps // 5)  # then the Trainer steps: the loop's own time, and ZeRO-3's, whose terms are
+    out["step_s"] = minimal_step_seconds(loop_steps, warmup)  # differences: each round runs its four in turn
+    out["zero3_steps"] = [[minimal_step_seconds(loop_steps, warmup, ZERO3_DEEP, z, a) for z, a in ZERO3_FITS] for _ in range(zero3_rounds)]
+    return out
 
 
 def gather_and_scatter(nbytes: int, world: int, best: Any, device: Any) -> dict[str, dict[str, float]]:
@@ -212,13 +208,14 @@ def layer_overhead_seconds(best: Any, calls: int = 40) -> float:
     return best(passes) / calls
 
 
-def minimal_step_seconds(steps: int = 25, warmup: int = 5, n_layer: int = 1, zero_stage: int = 0) -> float:
+def minimal_step_seconds(steps: int = 25, warmup: int = 5, n_layer: int = 1, zero_stage: int = 0, accumulate: int = 1) -> float:
     """The median optimizer step of a Trainer with our strategy over every rank (data parallel) on a
     one-layer GPT too small to compute, with GPTModule's own callbacks: the training loop's own time
     per step, plus one layer and the gradient all-reduce, which :func:`cluster_from` subtracts. The
     loop's collectives (the loss logged with ``sync_dist``, the finite-gradient vote) are in it, so
-    a one-rank layout is charged them too. ``n_layer`` / ``zero_stage``: the same GPT deeper or
-    fully sharded, whose differences give ZeRO-3's host terms (:func:`zero3_overheads`)."""
+    a one-rank layout is charged them too. ``n_layer`` / ``zero_stage`` / ``accumulate``: the same GPT
+    deeper, fully sharded, with more micro-batches a step, whose differences give ZeRO-3's host terms
+    (:func:`zero3_overheads`)."""
     import torch.distributed as dist
 
     from lightning_3d.apps.measure import timed_fit
@@ -227,21 +224,38 @@ def minimal_step_seconds(steps: int = 25, warmup: int = 5, n_layer: int = 1, zer
     from lightning_3d.plugins.strategy import ThreeDParallelStrategy
 
     world = dist.get_world_size()
-    model = GPTModule(GPTConfig(vocab_size=256, block_size=8, n_layer=n_layer, n_head=2, n_embd=16), warmup_steps=2)
+    model = GPTModule(GPTConfig(**MINIMAL_GPT, n_layer=n_layer), warmup_steps=2)
     data = TextDataModule(block_size=8, global_batch_size=world, max_bytes=2**16)
-    return timed_fit(ThreeDParallelStrategy(data_parallel=world, zero_stage=zero_stage), model, data, steps, warmup)
+    return timed_fit(ThreeDParallelStrategy(data_parallel=world, zero_stage=zero_stage), model, data, steps, warmup, accumulate)
 
 
-ZERO3_DEEP = 4  # layers of the deeper minimal GPT: 3 more FSDP units than the one-layer one
+ZERO3_DEEP = 4  # layers of the minimal GPT whose ZeRO-3 steps are timed: 5 FSDP units (the layers, the root)
+ZERO3_FITS = ((0, 1), (3, 1), (0, 2), (3, 2))  # (ZeRO stage, micro-batches a step)
+MINIMAL_GPT = dict(vocab_size=256, block_size=8, n_head=2, n_embd=16)
 
 
-def zero3_overheads(one_layer_zero0: float, one_layer_zero3: float, deep_zero0: float, deep_zero3: float) -> dict[str, float]:
-    """What ZeRO-3 adds to the minimal GPT's step, split into a part per FSDP unit (how the difference
-    grows from 1 to :data:`ZERO3_DEEP` layers) and a part per step (the one-layer difference less its 2
-    units: the layer and the root). Negative parts (noise) count as 0."""
-    extra_one, extra_deep = one_layer_zero3 - one_layer_zero0, deep_zero3 - deep_zero0
-    unit = max(0.0, (extra_deep - extra_one) / (ZERO3_DEEP - 1))
-    return {"unit_s": unit, "step_s": max(0.0, extra_one - 2 * unit)}
+def zero3_overheads(steps: list[float], charged: list[float]) -> dict[str, float]:
+    """ZeRO-3's host terms from the minimal GPT's steps at :data:`ZERO3_FITS` (``steps``), less what the
+    planner already charges for the same four (``charged``: its gathers and scatters, the sharded
+    optimizer): how the rest grows with a second micro-batch, per FSDP unit, and what is left once per
+    step. Negative parts (noise) count as 0."""
+    rest = [measured - planned for measured, planned in zip(steps, charged)]
+    one, two = rest[1] - rest[0], rest[3] - rest[2]  # ZeRO-3 over ZeRO-0 at 1 and 2 micro-batches
+    unit = max(0.0, (two - one) / (ZERO3_DEEP + 1))
+    return {"unit_s": unit, "step_s": max(0.0, one - unit * (ZERO3_DEEP + 1))}
+
+
+def zero3_charged(cluster: Any, ranks: int) -> list[float]:
+    """The planner's step for each of :data:`ZERO3_FITS` on ``cluster`` (without ZeRO-3's host terms)."""
+    from lightning_3d.core.model_shape import ModelShape
+    from lightning_3d.planner.search import Layout, Planner, Problem
+
+    shape = ModelShape.from_config({**MINIMAL_GPT, "n_layer": ZERO3_DEEP}, seq_len=MINIMAL_GPT["block_size"])
+    out = []
+    for zero, accumulate in ZERO3_FITS:
+        planner = Planner(Problem(shape, cluster, global_batch=ranks * accumulate, precision="32-true"))
+        out.append(planner.evaluate(Layout(dp=ranks, tp=1, pp=1, micro_batch_size=1, zero_stage=zero)).step_seconds)
+    return out
 
 
 def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -257,7 +271,7 @@ def slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "copy_gb_per_s": min(r["copy_gb_per_s"] for r in per_rank),
         "all_reduce": reduce,
         **{key: max(r[key] for r in per_rank) for key in ("layer_overhead_s", "step_s", "loaded_latency_s") if key in first},
-        **({"zero3": {k: max(r["zero3"][k] for r in per_rank) for k in first["zero3"]}} if "zero3" in first else {}),
+        **({"zero3_steps": first["zero3_steps"]} if "zero3_steps" in first else {}),  # (steps: every rank waits for the slowest)
         **({"block": max((r["block"] for r in per_rank), key=lambda b: b["seconds"])} if "block" in first else {}),
         **({"block_alone": first["block_alone"]} if first.get("block_alone") else {}),
         **({"block_tp": max((r["block_tp"] for r in per_rank), key=lambda b: b["seconds"])} if first.get("block_tp") else {}),
@@ -301,9 +315,6 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
             alone = block_rate(measured["block_alone"])
         except ValueError:
             pass
-    tp_rate = 0.0  # not measured: the full-width rate applies to tp shards too
-    if block and measured.get("block_tp"):
-        tp_rate = tensor_parallel_rate(measured, RATE_BLOCK, RATE_BATCH, block["flops"])
     if block:
         gemm = block_rate(block)
         rate_from = (f"a {RATE_BLOCK['n_embd']}-wide block's forward + backward ({RATE_BATCH} x {RATE_BLOCK['block_size']} tokens, "
@@ -315,21 +326,24 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
     layer_s = measured.get("layer_overhead_s", 0.0)
     # the minimal step less what the model charges it anyway: its one layer's dispatch and its gradient all-reduce
     loop_s = max(0.0, measured.get("step_s", 0.0) - layer_s - latency_s) if "step_s" in measured else 0.0
+    link_gb_per_s = float(f"{reduce[largest]['bus_gb_per_s'] / LINK_EFFICIENCY:.4g}")
+    latency_us = float(f"{latency_s * 1e6:.4g}")
+    tp_rate = 0.0  # not measured: the full-width rate applies to tp shards too
+    if block and measured.get("block_tp"):
+        tp_rate = tensor_parallel_rate(measured, RATE_BLOCK, RATE_BATCH, block["flops"], link_gb_per_s, latency_us)
     config = {
         "name": name,
         "accelerator": "cpu",
         "devices_per_node": devices_per_node,
         "num_nodes": 1,
         "launcher": "local",
-        "intra_node_gb_per_s": float(f"{reduce[largest]['bus_gb_per_s'] / LINK_EFFICIENCY:.4g}"),
+        "intra_node_gb_per_s": link_gb_per_s,
         "inter_node_gb_per_s": 0,
         "cpu_ram_gb": round(ram_gb, 1),
         "nvme_gb": 0,
-        "collective_latency_us": float(f"{latency_s * 1e6:.4g}"),
+        "collective_latency_us": latency_us,
         **{f"{kind}_gb_per_s": float(f"{measured[kind]['bus_gb_per_s'] / LINK_EFFICIENCY:.4g}") for kind in ("all_gather", "reduce_scatter") if kind in measured},
         "step_overhead_ms": float(f"{loop_s * 1e3:.4g}"),
-        **({"zero3_step_overhead_ms": float(f"{measured['zero3']['step_s'] * 1e3:.4g}"),
-            "zero3_unit_overhead_us": float(f"{measured['zero3']['unit_s'] * 1e6:.4g}")} if "zero3" in measured else {}),
         "device": {
             "model": "cpu-process (measured)",
             "memory_gb": float(f"{ram_gb / devices_per_node:.4g}"),
@@ -342,7 +356,12 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
             "peak_tflops_tp": float(f"{tp_rate:.4g}"),
         },
     }
-    load_cluster(config).validate()  # a figure that makes no valid cluster fails here, before any file is written
+    cluster = load_cluster(config)  # a figure that makes no valid cluster fails here, before any file is written
+    if measured.get("zero3_steps"):  # ZeRO-3's host terms: what its steps take beyond what this cluster is charged
+        charged = zero3_charged(cluster, ranks)
+        each = [zero3_overheads(r, charged) for r in measured["zero3_steps"]]
+        config["zero3_step_overhead_ms"] = float(f"{statistics.median(e['step_s'] for e in each) * 1e3:.4g}")
+        config["zero3_unit_overhead_us"] = float(f"{statistics.median(e['unit_s'] for e in each) * 1e6:.4g}")
     comments = [
         f"Written by `lightning-3d profile` on {measured.get('date', '?')} ({measured.get('host', '?')}): {ranks} CPU processes over",
         "gloo, one thread each, measuring at once (docs/planner.md, \"Profiling a machine\").",
@@ -359,19 +378,23 @@ def cluster_from(measured: dict[str, Any], name: str, devices_per_node: int, ran
         "device.peak_tflops_alone: the same rate block on one process while the others wait (a one-process layout; 0: not measured).",
         "step_overhead_ms: a Trainer step of a 1-layer, 16-wide GPT under the strategy (data parallel over the processes),",
         "less that layer and one all-reduce: the training loop's own time (its callbacks; no logger, bar or checkpoints).",
-        "device.peak_tflops_tp: the rate block split by the tp plan over the processes, less its dispatch, element-wise",
-        "bytes and 4 all-reduces at the figures above (narrow GEMMs reach less per FLOP; 0: not measured).",
-        f"zero3_*: that step under ZeRO-3 less under ZeRO-0, at 1 and {ZERO3_DEEP} layers: per FSDP unit and micro-batch (the",
-        "growth per layer) and per step (the rest): FSDP2's gathers, scatters, hooks and DTensor dispatch on this host.",
+        f"device.peak_tflops_tp: the rate block split by the tp plan over the {ranks} processes (t = {ranks}), less its dispatch,",
+        "element-wise bytes and 4 all-reduces as the planner charges them (narrow GEMMs reach less per FLOP; 0: not measured).",
+        f"zero3_*: a {ZERO3_DEEP}-layer minimal GPT's step under ZeRO-3 less under ZeRO-0, at 1 and 2 micro-batches, less what",
+        "the planner charges those steps (gathers, scatters, the sharded optimizer): per FSDP unit and micro-batch (the growth",
+        "with a micro-batch) and per step (the rest): FSDP2's hooks, copies and DTensor dispatch on this host.",
     ]
     return config, comments
 
 
-def tensor_parallel_rate(measured: dict[str, Any], block_config: dict[str, Any], batch: int, flops: float) -> float:
+def tensor_parallel_rate(
+    measured: dict[str, Any], block_config: dict[str, Any], batch: int, flops: float, link_gb_per_s: float, latency_us: float
+) -> float:
     """TFLOP/s of a tensor-parallel shard of the rate block: its share of the FLOPs over its time less what
     the planner charges a tp layer apart (its dispatch, its element-wise bytes at the copy rate, 4
-    all-reduces of its activation at the measured latency and bus bandwidth). 0 when nothing is left."""
+    all-reduces of its activation over the cluster's link and latency, as ``collective_cost`` prices them)."""
     from lightning_3d.core.model_shape import ModelShape
+    from lightning_3d.planner.collective_cost import Group, collective_cost
     from lightning_3d.planner.search import SOFTWARE
     from lightning_3d.planner.timing import BACKWARD_FACTOR, elementwise_forward_bytes
 
@@ -379,13 +402,13 @@ def tensor_parallel_rate(measured: dict[str, Any], block_config: dict[str, Any],
     shape = ModelShape.from_config(dict(block_config), seq_len=block_config["block_size"])
     forward_bytes, _ = elementwise_forward_bytes(shape, batch, tp=t, sequence_parallel=False, flash_attention=SOFTWARE["lightning_3d"].flash_attention)
     elementwise = (1 + BACKWARD_FACTOR) * forward_bytes / (measured["copy_gb_per_s"] * 1e9)
-    reduce = measured["all_reduce"]
-    smallest, largest = min(reduce, key=int), max(reduce, key=int)
-    latency = max(reduce[smallest]["seconds"], measured.get("loaded_latency_s", 0.0))
     activation = batch * block_config["block_size"] * block_config["n_embd"] * 4.0
-    comm = 4 * (latency + 2.0 * (t - 1) / t * activation / (reduce[largest]["bus_gb_per_s"] * 1e9))
+    comm = 4 * collective_cost("all_reduce", activation, Group(t, 1, link_gb_per_s, latency_us=latency_us)).seconds
     arithmetic = tp_block["seconds"] - measured.get("layer_overhead_s", 0.0) - elementwise - comm
-    return flops / t / arithmetic / 1e12 if arithmetic > 0 else 0.0
+    if arithmetic <= 0:
+        raise ValueError(f"the tensor-parallel rate block took {tp_block['seconds']:.4g} s, no more than its dispatch, element-wise and "
+                         "all-reduce time: re-run the profile.")
+    return flops / t / arithmetic / 1e12
 
 
 def write_cluster(config: dict[str, Any], comments: list[str], directory: Path) -> Path:

@@ -580,7 +580,7 @@ class Planner:
         hardware_flops = model.step_flops(p.global_batch, recompute_passes)
         model_flops = model.step_flops(p.global_batch, 0.0)
         tflops = hardware_flops / world / step / 1e12
-        mfu = model_flops / world / step / (cluster.device.tflops(cluster.devices_per_node) * 1e12)  # the rate the plan assumed
+        mfu = model_flops / world / step / (cluster.device.tflops(cluster.devices_per_node) * 1e12)  # against the full-width rate, so layouts compare
         time = {
             "compute": m * stage_seconds - m * max(layers) * (cost.tp_comm + cost.cp_comm + cost.ep_comm),
             "tp_comm": m * max(layers) * cost.tp_comm,

@@ -94,8 +94,8 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
         # the synchronizing backward or a pipeline's hand-over; ZeRO-3 at the step): the norms under sequence
         # parallelism, MoE routers under any tp; in the precision the gradients are reduced in
         partial = layers[index] * model.moe_share * model.hidden * model.n_experts
-        if layout.sequence_parallel:
-            partial += layers[index] * 2 * model.hidden * (2 if model.bias else 1) + (model.hidden if last else 0)
+        if layout.sequence_parallel:  # (norms, row-parallel biases and routers; the final norm on the head's stage)
+            partial = layers[index] * model.layer_replicated_params + (model.hidden * (2 if model.bias else 1) if last else 0)
         if partial:
             reduce_bytes = 4.0 if layout.zero_stage in (1, 2) or "mixed" in problem.precision else c
             out["tp"] += ring("all_reduce", partial * reduce_bytes, t)
