@@ -191,6 +191,11 @@ def _profile_and_plan(layouts: tuple[str, ...]) -> tuple[dict[str, Any], dict[st
         recipe = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(recipe, dict)
         recipe.pop("hydra", None)
+        cluster = recipe["cluster"]  # the figures the planner took from the profile, kept with it
+        measured_machine["cluster"] = {
+            **{k: cluster.get(k) for k in ("collective_latency_us", "step_overhead_ms", "zero3_step_overhead_ms", "zero3_unit_overhead_us")},
+            **{f"device.{k}": cluster["device"].get(k) for k in ("peak_tflops", "peak_tflops_alone", "peak_tflops_tp", "layer_overhead_us")},
+        }
         return measured_machine, recipe, planned_layouts(cfg, layouts)
 
 
