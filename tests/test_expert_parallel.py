@@ -134,7 +134,7 @@ def _sgd_moe_gpt(skew: tuple[float, ...] = (), **overrides: Any) -> Any:
 
 def _ep_fit(
     root: str | None, steps: int, ckpt_path: str | None = None, skew: tuple[float, ...] = (), callbacks: tuple[Any, ...] = (),
-    model: dict[str, Any] | None = None, **strategy: Any,
+    model: dict[str, Any] | None = None, precision: str = "32-true", **strategy: Any,
 ) -> dict[str, Any]:
     """The SGD MoE GPT trained ``steps`` steps (``root``: save every 2 steps there): this rank's losses,
     the whole trained model's weights (gathered from every slice and shard; kept on rank 0) and the
@@ -154,6 +154,7 @@ def _ep_fit(
     trainer = quiet_trainer(
         max_steps=steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=root is not None,
         strategy=ThreeDParallelStrategy(**strategy), gradient_clip_val=None if (model or {}).get("accumulate_manually") else 1.0,
+        precision=precision,
     )
     module = _sgd_moe_gpt(skew, **(model or {}))
     module.routed = set()

@@ -69,12 +69,7 @@ class CountTensorParallelAllReduces:
 def _fit(name: str) -> dict[str, Any]:
     model, strategy = LAYOUTS[name]
     counter = CountTensorParallelAllReduces()
-    if name in PRECISION:
-        import tests.test_expert_parallel as ep
-
-        out = _ep_fit_with_precision(PRECISION[name], model, strategy, counter, ep)
-    else:
-        out = _ep_fit(None, STEPS, callbacks=(counter.callback,), model=dict(model), **strategy)
+    out = _ep_fit(None, STEPS, callbacks=(counter.callback,), model=dict(model), precision=PRECISION.get(name, "32-true"), **strategy)
     return {**out, "tp_all_reduces": counter.per_batch, "hooks_given_back": _hooks_given_back()}
 
 
@@ -90,16 +85,6 @@ def _hooks_given_back() -> bool:
     return bool(params) and not any(h.taken for h in hooks) and all(meta_of(p).arrival_scale_hook is None for p in params)
 
 
-def _ep_fit_with_precision(precision: str, model: dict[str, Any], strategy: dict[str, Any], counter: Any, ep: Any) -> dict[str, Any]:
-    from unittest import mock
-
-    from tests import helpers
-
-    trainer = helpers.quiet_trainer
-    with mock.patch.object(helpers, "quiet_trainer", lambda **k: trainer(precision=precision, **k)):
-        return ep._ep_fit(None, STEPS, callbacks=(counter.callback,), model=dict(model), **strategy)
-
-
 def _world() -> dict[str, Any]:
     from tests.helpers import run_checks
 
@@ -107,17 +92,14 @@ def _world() -> dict[str, Any]:
 
 
 def _references() -> dict[str, Any]:
-    want = {}
+    """One process's run for each (model, precision) the layouts use, by layout name."""
+    want: dict[tuple[Any, ...], Any] = {}
     for name, (model, _) in LAYOUTS.items():
-        key = (tuple(sorted(model.items())), PRECISION.get(name))
+        key = (tuple(sorted(model.items())), PRECISION.get(name, "32-true"))
         if key not in want:
-            if name in PRECISION:
-                import tests.test_expert_parallel as ep
-
-                want[key] = _ep_fit_with_precision(PRECISION[name], model, {}, CountTensorParallelAllReduces(), ep)
-            else:
-                want[key] = _ep_fit(None, STEPS, model=dict(model))
-    return {name: want[(tuple(sorted(model.items())), PRECISION.get(name))] for name, (model, _) in LAYOUTS.items()}
+            want[key] = _ep_fit(None, STEPS, model=dict(model), precision=key[1])
+        want[name] = want[key]
+    return {name: want[name] for name in LAYOUTS}
 
 
 @pytest.fixture(scope="module")

@@ -564,16 +564,16 @@ class Planner:
         exposed_dp = dp_time.exposed
         opt = optimizer_seconds(optimizer_shard, cluster, layout.offload, cluster.devices_per_node)
         loop = cluster.step_overhead_ms * 1e-3  # the training loop's own host time (profiled clusters)
-        sp_sum = 0.0
+        partial_sum = 0.0
         if t > 1 and (layout.sequence_parallel or model.n_experts):
-            sp_sum = max(
+            partial_sum = max(
                 partial_grad_sum_seconds(model, n, i == head_at, layout.sequence_parallel, self._group(1, t), self.nccl, p.software.grad_reduce_bytes)
                 for i, n in enumerate(layers)
             )
         zero3_host = 0.0
         if layout.zero_stage == 3:  # a profiled host's FSDP2 work (0 on every shipped cluster)
             zero3_host = cluster.zero3_step_overhead_ms * 1e-3 + cluster.zero3_unit_overhead_us * 1e-6 * (max(layers) + 1) * m
-        step = pipeline + exposed_dp + sp_sum + opt + loop + zero3_host
+        step = pipeline + exposed_dp + partial_sum + opt + loop + zero3_host
 
         world = layout.world
         recompute_passes = {"none": 0.0, "full": 1.0, "selective": 0.0}[layout.recompute]
@@ -589,7 +589,7 @@ class Planner:
             "pp_bubble": bubble,
             "pp_p2p": m * v * p2p,
             "dp_comm_exposed": exposed_dp,
-            **({"partial_grad_sum": sp_sum} if sp_sum else {}),
+            **({"partial_grad_sum": partial_sum} if partial_sum else {}),
             "optimizer": opt,
             **({"step_overhead": loop} if loop else {}),
             **({"zero3_host": zero3_host} if zero3_host else {}),

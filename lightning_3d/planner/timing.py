@@ -140,9 +140,17 @@ def partial_grad_sum_seconds(
     partial gradients: one all-reduce of all of a stage's over tp per step. Backward produces them
     last, so nothing hides it (lightning_3d's reducers: one bucket; Megatron-Core: its coalesced
     layer-norm all-reduce after the backward)."""
-    per_layer = model.layer_replicated_params if sequence_parallel else model.moe_share * model.hidden * model.n_experts
-    params = layers_on_stage * per_layer + (model.hidden * (2 if model.bias else 1) if sequence_parallel and last_stage else 0)
+    params = partial_gradient_params(model, layers_on_stage, last_stage, sequence_parallel)
     return collective_cost("all_reduce", params * grad_bytes, tp_group, nccl).seconds if params else 0.0
+
+
+def partial_gradient_params(model: ModelShape, layers_on_stage: int, last_stage: bool, sequence_parallel: bool) -> float:
+    """A stage's replicated parameters whose gradient is partial on each tp rank: the MoE routers; with
+    sequence parallelism every replicated parameter of its layers (norms, row-parallel biases, routers)
+    and, on the last stage, the final norm."""
+    if not sequence_parallel:
+        return layers_on_stage * model.moe_share * model.hidden * model.n_experts
+    return layers_on_stage * model.layer_replicated_params + (model.hidden * (2 if model.bias else 1) if last_stage else 0)
 
 
 def head_cost(model: ModelShape, cluster: ClusterSpec, micro_batch: int, tp: int, cp: int = 1) -> float:

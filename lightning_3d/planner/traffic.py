@@ -68,6 +68,7 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
     act = mb * local * model.hidden * c
     full = layout.recompute == "full"
     from lightning_3d.planner.search import V_SHAPED, expert_all_to_alls, head_stage
+    from lightning_3d.planner.timing import partial_gradient_params
 
     first, last = index == 0, index == head_stage(layout.schedule, pp)  # (a V: the head beside the embedding)
     out: dict[str, float] = {}
@@ -93,9 +94,7 @@ def step_traffic(planner: Any, layout: Any, layers: list[int], index: int, chunk
         # weights whose gradient is partial on each tp rank, summed once per step (the reducers' bucket at
         # the synchronizing backward or a pipeline's hand-over; ZeRO-3 at the step): the norms under sequence
         # parallelism, MoE routers under any tp; in the precision the gradients are reduced in
-        partial = layers[index] * model.moe_share * model.hidden * model.n_experts
-        if layout.sequence_parallel:  # (norms, row-parallel biases and routers; the final norm on the head's stage)
-            partial = layers[index] * model.layer_replicated_params + (model.hidden * (2 if model.bias else 1) if last else 0)
+        partial = partial_gradient_params(model, layers[index], last, layout.sequence_parallel)
         if partial:
             reduce_bytes = 4.0 if layout.zero_stage in (1, 2) or "mixed" in problem.precision else c
             out["tp"] += ring("all_reduce", partial * reduce_bytes, t)

@@ -29,7 +29,7 @@ from torch.nn import Parameter
 
 from lightning_3d.core.config import DEFAULT_BUCKET_MB
 from lightning_3d.core.param_meta import replica_mesh_of
-from lightning_3d.tensor_parallel.spec import sequence_parallel_group
+from lightning_3d.tensor_parallel.spec import sequence_parallel_group, take_sequence_parallel_sums
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)
 
@@ -92,7 +92,11 @@ class BucketedBackward(Generic[B]):
             for i, p in enumerate(bucket.params):  # type: ignore[attr-defined]
                 self._slot[id(p)] = (b_idx, i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        take_sequence_parallel_sums(self._params(), True)  # a subclass sums their buckets over tp instead
         self._reset()
+
+    def _params(self) -> list[Parameter]:
+        return [p for bucket in self.buckets for p in bucket.params]  # type: ignore[attr-defined]
 
     # -- subclass interface ----------------------------------------------------------------
     def _gradient_ready(self, bucket: B, index: int, param: Parameter) -> bool:
@@ -200,6 +204,7 @@ class BucketedBackward(Generic[B]):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        take_sequence_parallel_sums(self._params(), False)  # their hooks sum again
 
     @property
     def num_buckets(self) -> int:

@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_3d.core.param_meta import update_meta
-from lightning_3d.tensor_parallel.spec import sequence_parallel_group, take_sequence_parallel_sums
+from lightning_3d.tensor_parallel.spec import sequence_parallel_group
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 
 
@@ -103,18 +103,12 @@ class GradientReducer(BucketedBackward[_Bucket]):
                 for p in members:
                     self._hooks.append(p.register_hook(hook))
                     update_meta(p, arrival_scale_hook=hook)  # (a pipeline defers it to its hand-over)
-            if partial is not None:
-                take_sequence_parallel_sums(members, True)
         self._register(buckets)
 
     def remove(self) -> None:
         super().remove()
-        for bucket in self.buckets:
-            if bucket.holders != self.world or bucket.partial is not None:
-                for p in bucket.params:
-                    update_meta(p, arrival_scale_hook=None)
-            if bucket.partial is not None:
-                take_sequence_parallel_sums(bucket.params, False)
+        for p in self._params():  # (this reducer is the only writer of the record)
+            update_meta(p, arrival_scale_hook=None)
 
     @property
     def active(self) -> bool:

@@ -58,7 +58,7 @@ from torch.optim import Optimizer
 from lightning_3d.core.distributed import current_compute_device
 from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.tensor_parallel.mappings import gather_along
-from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, sequence_parallel_group, shard_like, take_sequence_parallel_sums
+from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, sequence_parallel_group, shard_like
 from lightning_3d.testing.strict_comm import mark_host
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
@@ -141,15 +141,6 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         self.stage = stage
         self.grad_device = grad_device  # stage 2 with offload: reduced slices go to host memory
         self._register(buckets)
-        for bucket in buckets:
-            if bucket.partial_sum is not None:
-                take_sequence_parallel_sums(bucket.params, True)
-
-    def remove(self) -> None:
-        super().remove()
-        for bucket in self.buckets:
-            if bucket.partial_sum is not None:
-                take_sequence_parallel_sums(bucket.params, False)
 
     def _transient(self, bucket: _Bucket) -> bool:
         return self.stage == 2 or bucket.reduced
