@@ -53,6 +53,15 @@ class Case:
     recompute: str = "none"
     offload: str = "none"  # optimizer offload for stages 1-2, parameter offload (FSDP2) for stage 3
     proves: str = ""
+    peer: str = ""  # another stack's run of the layout (benchmarks/gpu_peers.py): "deepspeed" or "fsdp2"
+
+    @property
+    def ours(self) -> str:
+        """The lightning_3d case a peer's speed and memory are compared with (its own name for ours)."""
+        if not self.peer:
+            return self.name
+        offload = {"cpu": "_offload_cpu"}.get(self.offload, "")
+        return f"zero{self.zero_stage}{offload}"
 
 
 CASES = [
@@ -65,8 +74,15 @@ CASES = [
     Case("zero1_offload_nvme", 1, offload="nvme", proves="ZeRO-Infinity-style: masters and moments streamed from a file"),
     Case("zero1_recompute_full", 1, recompute="full", proves="full activation recompute (non-reentrant checkpoint) on CUDA"),
     Case("zero1_recompute_selective", 1, recompute="selective", proves="selective recompute of the attention core"),
+    # the peers: the same model, data, seed and AdamW on the stacks users would pick instead
+    Case("deepspeed_zero1", 1, peer="deepspeed", proves="DeepSpeed ZeRO-1 (bf16 mode, torch AdamW) vs ours"),
+    Case("deepspeed_zero2", 2, peer="deepspeed", proves="DeepSpeed ZeRO-2 vs ours"),
+    Case("deepspeed_zero3", 3, peer="deepspeed", proves="DeepSpeed ZeRO-3 (every parameter sharded) vs ours"),
+    Case("deepspeed_zero2_offload_cpu", 2, offload="cpu", peer="deepspeed", proves="DeepSpeed ZeRO-Offload (DeepSpeedCPUAdam) vs ours"),
+    Case("fsdp2_zero3", 3, peer="fsdp2", proves="a plain torch FSDP2 loop (torchtitan's data-parallel recipe) vs our ZeRO-3"),
 ]
 REFERENCE = "zero0"
+CASE_BY_NAME = {c.name: c for c in CASES}
 
 # bf16 keeps 8 significant bits: each rounding is off by up to 2**-9 = 0.2% relative. The cases
 # round in different places (FSDP2 casts sharded fp32 parameters, our ZeRO casts flat masters; the
@@ -119,7 +135,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = sorted(set(names) - known)
     if unknown:
         parser.error(f"unknown case(s) {unknown}; choose from {[c.name for c in CASES]}.")
-    args.case_list = [c for c in CASES if c.name in names or c.name == REFERENCE]
+    args.case_list = [CASE_BY_NAME[n] for n in dict.fromkeys([REFERENCE, *names])]  # the reference first, then as given
     if args.case is not None and args.case not in known:
         parser.error(f"--case {args.case!r} is unknown.")
     if args.nvme_dir is not None and not os.path.isdir(args.nvme_dir):
@@ -239,15 +255,20 @@ def peak_memory(gpu: bool) -> dict[str, Any]:
 
 def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps`` steps of the case's layout in this process; never raises."""
-    import lightning as L
     import torch
 
-    from lightning_3d import ThreeDParallelStrategy
-    from lightning_3d.data import TextDataModule
-    from lightning_3d.models import GPTConfig, GPTModule
+    from lightning_3d.models import GPTConfig
+
     gpu = not args.cpu_dry_run
     tokens = args.batch * args.seq
     result: dict[str, Any] = {"case": case.name, "ok": False, "tokens_per_step": tokens}
+    if case.peer:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_peers import missing_package
+
+        why = missing_package(case.peer)
+        if why:
+            return {**result, "not_run": why}
     nvme_root = args.nvme_dir or tempfile.gettempdir()
     nvme_path = None
     start = time.perf_counter()
@@ -269,36 +290,21 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         except Exception as err:
             traceback.print_exc(file=sys.stderr)
             result["predicted"] = {"error": f"{type(err).__name__}: {err}"[:300]}
-        L.seed_everything(args.seed, verbose=False)
-        probe = step_probe(gpu)
-        trainer = L.Trainer(
-            accelerator="gpu" if gpu else "cpu",
-            devices=1,
-            strategy=ThreeDParallelStrategy(**kwargs),
-            precision="bf16-mixed",
-            max_steps=args.steps,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[probe],
-        )
-        module = GPTModule(config, lr=args.lr, warmup_steps=1, decay_steps=10**9)  # a constant rate
         corpus = corpus_file(2 * (args.steps + 1) * (tokens + args.batch) + 4096)  # enough for the run and a 5% validation tail
-        data = TextDataModule(source=str(corpus), block_size=args.seq, batch_size=args.batch)
-        trainer.fit(module, data)
-        backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-        if len(probe.losses) != args.steps:
-            raise RuntimeError(f"trained {len(probe.losses)} steps, expected {args.steps}")
-        timed = probe.seconds[1:] or probe.seconds  # the first step warms up kernels and the allocator
+        if case.peer:
+            losses, seconds, backend = run_peer_case(case, config, args, str(corpus))
+        else:
+            losses, seconds, backend = run_our_case(kwargs, config, args, str(corpus))
+        if len(losses) != args.steps:
+            raise RuntimeError(f"trained {len(losses)} steps, expected {args.steps}")
+        timed = seconds[1:] or seconds  # the first step warms up kernels and the allocator
         step_s = sum(timed) / len(timed)
         peak = result["predicted"].get("peak_tflops")
         result.update(
             ok=True,
             backend=backend,
-            losses=[round(x, 5) for x in probe.losses],
-            step_seconds=[round(x, 4) for x in probe.seconds],
+            losses=[round(x, 5) for x in losses],
+            step_seconds=[round(x, 4) for x in seconds],
             step_s=round(step_s, 4),
             tokens_per_s=round(tokens / step_s, 1),
             model_tflops_per_s=round(flops / step_s / 1e12, 2),
@@ -319,6 +325,55 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         result["peak_memory_error"] = f"{type(err).__name__}: {err}"[:300]
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def run_our_case(kwargs: dict[str, Any], config: Any, args: argparse.Namespace, corpus: str) -> tuple[list[float], list[float], Optional[str]]:
+    """``args.steps`` steps of lightning_3d's Trainer with the strategy ``kwargs``: losses, step
+    seconds and the process group's backend."""
+    import lightning as L
+    import torch
+
+    from lightning_3d import ThreeDParallelStrategy
+    from lightning_3d.data import TextDataModule
+    from lightning_3d.models import GPTModule
+
+    gpu = not args.cpu_dry_run
+    L.seed_everything(args.seed, verbose=False)
+    probe = step_probe(gpu)
+    trainer = L.Trainer(
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        strategy=ThreeDParallelStrategy(**kwargs),
+        precision="bf16-mixed",
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
+    module = GPTModule(config, lr=args.lr, warmup_steps=1, decay_steps=10**9)  # a constant rate
+    data = TextDataModule(source=corpus, block_size=args.seq, batch_size=args.batch)
+    trainer.fit(module, data)
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    return probe.losses, probe.seconds, backend
+
+
+def run_peer_case(case: Case, config: Any, args: argparse.Namespace, corpus: str) -> tuple[list[float], list[float], Optional[str]]:
+    """The same steps on another stack (``benchmarks/gpu_peers.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_peers
+
+    losses: list[float] = []
+    seconds: list[float] = []
+
+    def record(loss: float, elapsed: float) -> None:
+        losses.append(loss)
+        seconds.append(elapsed)
+
+    backend = gpu_peers.run_peer(case.peer, case.zero_stage, case.offload, config, args, corpus, record)
+    return losses, seconds, backend
 
 
 def step_probe(gpu: bool) -> Any:
@@ -397,8 +452,9 @@ def compare(results: list[dict[str, Any]], rtol: float) -> dict[str, Any]:
     reference's loss fell by more than ``MIN_DROP`` tolerances (else agreement would prove nothing)."""
     diffs = loss_differences(results)
     ref = next((r for r in results if r["case"] == REFERENCE and r.get("ok")), None)
-    failed = [r["case"] for r in results if not r.get("ok")]
-    disagree = [name for name, d in diffs.items() if d is not None and not d <= rtol]
+    peers = {r["case"] for r in results if CASE_BY_NAME[r["case"]].peer}
+    failed = [r["case"] for r in results if not r.get("ok") and r["case"] not in peers]
+    disagree = [name for name, d in diffs.items() if d is not None and not d <= rtol and name not in peers]
     drop = (ref["losses"][0] - ref["losses"][-1]) / abs(ref["losses"][0]) if ref else None
     signal = drop is not None and drop > MIN_DROP * rtol
     return {
@@ -416,8 +472,34 @@ def compare(results: list[dict[str, Any]], rtol: float) -> dict[str, Any]:
         "reference_drop_ok": signal,
         "reference_drop_needed": round(MIN_DROP * rtol, 4),
         # reported, not failed: the prediction is a comparison, not part of what must work
-        "predictions_missing": [r["case"] for r in results if "step_s" not in (r.get("predicted") or {})],
+        "predictions_missing": [r["case"] for r in results if "step_s" not in (r.get("predicted") or {}) and not r.get("not_run")],
+        # reported, not failed: the other stacks' runs of the same layouts (a peer's crash is not ours)
+        "peers": peer_comparison(results, diffs, rtol),
     }
+
+
+def peer_comparison(results: list[dict[str, Any]], diffs: dict[str, Optional[float]], rtol: float) -> dict[str, Any]:
+    """Per peer case: ours / the peer's tokens per second and peak GPU memory (the lightning_3d case of
+    the same layout), whether its losses agree with the reference's within ``rtol``, or why it did
+    not run."""
+    by_name = {r["case"]: r for r in results}
+    out: dict[str, Any] = {}
+    for r in results:
+        case = CASE_BY_NAME[r["case"]]
+        if not case.peer:
+            continue
+        entry: dict[str, Any] = {"ours": case.ours}
+        if not r.get("ok"):
+            entry["not_run" if r.get("not_run") else "error"] = r.get("not_run") or r.get("error")
+        else:
+            ours = by_name.get(case.ours) or {}
+            for key, name in (("tokens_per_s", "speed_ratio"), ("peak_gpu_gib", "memory_ratio")):
+                a, b = ours.get(key), r.get(key)
+                entry[name] = round(a / b, 3) if ours.get("ok") and a and b else None
+            entry["max_rel_diff"] = None if diffs[r["case"]] is None else round(diffs[r["case"]], 6)
+            entry["losses_agree"] = diffs[r["case"]] is not None and diffs[r["case"]] <= rtol
+        out[r["case"]] = entry
+    return out
 
 
 def table(results: list[dict[str, Any]]) -> str:

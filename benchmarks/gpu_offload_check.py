@@ -94,7 +94,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--case", case, *sys.argv[1:]]
         if args.cpu_dry_run:
             cmd += ["--layers", "2", "--width", "64", "--heads", "4", "--seq", "32"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         results[case] = json.loads(line[7:]) if line else {"case": case, "ok": False, "error": proc.stderr[-2000:]}
         print(json.dumps(results[case]), flush=True)
