@@ -167,9 +167,12 @@ def run_peer(stack: str, stage: int, offload: str, config: Any, args: Any, corpu
         x, y = (t.to(device) for t in next(stream))
         sync()
         start = time.perf_counter()
-        loss = step(x, y)
+        # bf16-mixed as Lightning's and ours run it: autocast around the step, so what stays fp32 (the
+        # loss's log-softmax) is fp32 in every stack
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = step(x, y)
         sync()
-        on_step(float(loss), time.perf_counter() - start)
+        on_step(float(loss.detach()), time.perf_counter() - start)
     backend = dist.get_backend()
     dist.destroy_process_group()
     return backend
