@@ -60,7 +60,7 @@ def memory_report(module: nn.Module, optimizers: list[Any], zero: Any, topology:
     for opt in optimizers:
         inner = getattr(opt, "inner", opt)
         for bucket in getattr(opt, "buckets", []):
-            grads += [t for t in (bucket.grad_buf, bucket.grad_shard) if t is not None]
+            grads += [t for t in (bucket.grad_buf, bucket.grad_shard, bucket.host_grad) if t is not None]
             masters.append(bucket.master)
         store = getattr(opt, "store", None)
         if store is not None:  # NVMe: masters and moments live in the file
