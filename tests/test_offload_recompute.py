@@ -91,6 +91,38 @@ def nvme_run(directory: str, stage: int) -> dict[str, Any]:
     return {"losses": losses, "after_fit": after_fit, "left": any(f.startswith(mine) for f in os.listdir(directory))}
 
 
+def offload_kernel(stage: int) -> dict[str, Any]:
+    """ZeRO offload steps Adam on torch's fused CPU kernel every step, the user's ``fused=None`` notwithstanding,
+    while the user's schedule still sets the learning rate (the H200 run's 10x-slow offload came from
+    copying ``fused=None`` over the kernel choice each step)."""
+    from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
+
+    calls = []
+    fused = torch._fused_adamw_
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    user = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(user, lambda step: 0.5**step)
+    opt = ZeroOptimizer(user, torch.distributed.group.WORLD, stage, offload="cpu")
+    torch._fused_adamw_ = counting
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.grads.after_backward()
+            opt.step()
+            schedule.step()
+    finally:
+        torch._fused_adamw_ = fused
+        opt.remove()
+    assert opt.inner is not None
+    return {"fused_calls": len(calls), "inner_lr": opt.inner.param_groups[0]["lr"], "user_lr": user.param_groups[0]["lr"]}
+
+
 def dp2_world(tmp: str) -> dict[str, Any]:
     nvme = Path(tmp) / "nvme"
     nvme.mkdir(exist_ok=True)
@@ -104,6 +136,8 @@ def dp2_world(tmp: str) -> dict[str, Any]:
             "full": lambda: run(activation_checkpointing="full"),
             "selective": lambda: run(activation_checkpointing="selective"),
             "pp2_full": lambda: run(pipeline_parallel=2, activation_checkpointing="full"),
+            "kernel1": lambda: offload_kernel(1),
+            "kernel2": lambda: offload_kernel(2),
         }
     )
 
@@ -163,6 +197,14 @@ def test_dp2_offload_and_checkpointing_match_one_process(dp2, single, name):
     values = [result_of(r, name) for r in dp2]
     losses = [v["losses"] if isinstance(v, dict) else v for v in values]
     np.testing.assert_allclose(_mean(losses), result_of(single, "plain"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_cpu_offload_steps_on_the_fused_kernel_every_step(dp2, stage):
+    for r in dp2:
+        run = result_of(r, f"kernel{stage}")
+        assert run["fused_calls"] == 3, run  # one fused call per step over every slice
+        assert run["inner_lr"] == pytest.approx(0.1 * 0.5**2) and run["user_lr"] == pytest.approx(0.1 * 0.5**3), run
 
 
 @pytest.mark.parametrize("name", ["nvme1", "nvme2"])

@@ -47,10 +47,15 @@ def is_adam(optimizer: Optimizer) -> bool:
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
 
 
+# How an optimizer runs, not what it computes: kept by the optimizer ZeRO builds (the offload path's
+# fused kernel), never copied over from the user's groups (whose ``fused=None`` would switch it off).
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
 def fused_adam_like(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optimizer:
     """An Adam/AdamW over ``groups`` with the user's hyper-parameters, on torch's fused CPU kernel."""
     defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad") if k in optimizer.defaults}
-    clean = [{k: v for k, v in g.items() if k not in ("foreach", "fused", "capturable", "differentiable")} for g in groups]
+    clean = [{k: v for k, v in g.items() if k not in IMPLEMENTATION_KEYS} for g in groups]
     return type(optimizer)(clean, **defaults, fused=True)
 
 

@@ -61,7 +61,7 @@ from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, sequence_parallel_group, shard_like
 from lightning_3d.testing.strict_comm import mark_host
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
-from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
+from lightning_3d.zero.offload import IMPLEMENTATION_KEYS, ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
 from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
 
 REDUCE_DTYPE = torch.float32
@@ -191,7 +191,8 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         else:
             send = bucket.grad_buf if bucket.grad_buf.dtype == REDUCE_DTYPE else bucket.grad_buf.to(REDUCE_DTYPE)
             bucket.send = send
-        send.mul_(1.0 / self.world)  # the weight replicas, whoever holds the bucket
+        if self.world > 1:  # the weight replicas, whoever holds the bucket (one replica: nothing to scale)
+            send.mul_(1.0 / self.world)
         if bucket.owners is None:  # held by this rank alone (an expert slice): nothing to sum
             bucket.recv = send
             return None
@@ -464,8 +465,11 @@ class ZeroOptimizer:
         return loss
 
     def _sync_hyperparameters(self, inner: Optimizer) -> None:
+        """The user's current hyper-parameters (a schedule changes ``lr``) into the inner optimizer's
+        groups; not how it runs (the user's ``fused=None`` would turn offload's fused kernel off)."""
         for inner_group, group in zip(inner.param_groups, self.optimizer.param_groups):
-            inner_group.update({k: v for k, v in group.items() if k != "params" and k in inner_group})
+            keep = ("params", *IMPLEMENTATION_KEYS) if self.offload == "cpu" else ("params",)
+            inner_group.update({k: v for k, v in group.items() if k not in keep and k in inner_group})
 
     def _step_in_memory(self, used: list[list[bool]]) -> list[_Bucket]:
         assert self.inner is not None
