@@ -348,24 +348,32 @@ def run_our_case(kwargs: dict[str, Any], config: Any, args: argparse.Namespace, 
     gpu = not args.cpu_dry_run
     L.seed_everything(args.seed, verbose=False)
     probe = step_probe(gpu)
-    trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu",
-        devices=1,
-        strategy=ThreeDParallelStrategy(**kwargs),
-        precision="bf16-mixed",
-        max_steps=args.steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-    )
+    trainer = one_device_trainer(gpu, ThreeDParallelStrategy(**kwargs), args.steps, probe)
     module = GPTModule(config, lr=args.lr, warmup_steps=1, decay_steps=10**9)  # a constant rate
     data = TextDataModule(source=corpus, block_size=args.seq, batch_size=args.batch)
     trainer.fit(module, data)
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     return probe.losses, probe.seconds, backend
+
+
+def one_device_trainer(gpu: bool, strategy: Any, steps: int, callback: Any) -> Any:
+    """The Trainer of a one-device check: bf16-mixed, ``steps`` steps, no validation, logging or
+    checkpoints (``gpu_offload_check.py`` uses it too)."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
 
 
 def run_peer_case(case: Case, config: Any, args: argparse.Namespace, corpus: str) -> tuple[list[float], list[float], Optional[str]]:

@@ -47,19 +47,10 @@ def child(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, i) -> None:  # noqa: ANN001
             losses.append(float(outputs["loss"]))
 
-    trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu",
-        devices=1,
-        strategy=strategy,
-        precision="bf16-mixed",
-        max_steps=args.steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Record()],
-    )
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_check import one_device_trainer
+
+    trainer = one_device_trainer(gpu, strategy, args.steps, Record())
     start = time.perf_counter()
     result = {"case": args.case, "parameters": config.num_parameters(), "cap_gb": args.cap_gb if gpu else None}
     try:
