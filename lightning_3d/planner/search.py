@@ -524,6 +524,8 @@ class Planner:
             host = k * optimizer_shard * cluster.devices_per_node
             if layout.zero_stage == 3:
                 host += 2 * c * optimizer_shard * cluster.devices_per_node
+            else:  # the kept host buffers: the fp32 gradient slice, and the upload in the compute dtype
+                host += (4 + (c if c != 4 else 0)) * optimizer_shard * cluster.devices_per_node
         elif layout.offload == "nvme":
             nvme = k * optimizer_shard * cluster.devices_per_node
         capacity = cluster.device.memory_gb * 1e9 * ALLOCATOR_HEADROOM
