@@ -120,3 +120,20 @@ def test_a_hanging_case_is_reported_not_waited_for() -> None:
     args = gpu_check.parse_args(["--cpu-dry-run", "--case-timeout", "0.5"])
     result = gpu_check.run_in_child(gpu_check.CASES[0], args)
     assert not result["ok"] and "timed out" in result["error"]
+
+
+def test_the_planner_counts_what_offload_keeps_on_the_host(tmp_path: Path) -> None:
+    """The prediction beside the GPU run's host RSS: ZeRO-2 CPU offload keeps masters and moments (12
+    bytes per parameter) plus the fp32 gradient slice and the bf16 upload buffer (4 + 2); NVMe keeps
+    the 12 in the file and nothing of it on the host."""
+    from dataclasses import asdict
+
+    from lightning_3d.models import GPTConfig
+
+    run = gpu_check.GPU_RUN
+    config = GPTConfig(vocab_size=run["vocab"], block_size=run["seq"], n_layer=run["layers"], n_head=run["heads"], n_embd=run["width"])
+    psi = config.num_parameters()
+    cpu = gpu_check.predict(gpu_check.CASE_BY_NAME["zero2_offload_cpu"], config, run["batch"], "NVIDIA H200", str(tmp_path))
+    nvme = gpu_check.predict(gpu_check.CASE_BY_NAME["zero1_offload_nvme"], config, run["batch"], "NVIDIA H200", str(tmp_path))
+    assert cpu["host_gib"] * gpu_check.GIB == pytest.approx(18 * psi, rel=1e-3) and cpu["nvme_gib"] == 0, (asdict(config), cpu)
+    assert nvme["nvme_gib"] * gpu_check.GIB == pytest.approx(12 * psi, rel=1e-3) and nvme["host_gib"] == 0, nvme
