@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from lightning_3d.core.topology import Topology
 from lightning_3d.zero.fsdp import apply_zero3, materialize_meta, restore_specs
 from lightning_3d.zero.grad_reducer import GradientReducer
-from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
+from lightning_3d.zero.optimizer_kinds import check_optimizer_layout, prefer_fused_adam
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 
 
@@ -89,7 +89,9 @@ class ZeroCoordinator:
             check_optimizer_layout(opt, self.stage, self.topology.dims.tp, self.topology.dims.ep)
         if self.stage == 3:
             for opt in optimizers:
-                prefer_multi_tensor(opt)
+                # DTensor parameters: a per-tensor step dispatches every element-wise op (41 ms of a
+                # 0.2 s step on the CPU bench GPT); FSDP2's CPU offload steps them on the host
+                prefer_fused_adam(opt, foreach_otherwise=True)
             return optimizers
         if self.stage == 0 and not self.mixed:
             self.reducer = GradientReducer(module.parameters(), self.topology.dp_group, self.bucket_bytes)
@@ -157,21 +159,3 @@ class ZeroCoordinator:
         for opt in self.zero_optimizers:
             opt.remove()
         self.zero_optimizers = []
-
-
-def prefer_multi_tensor(optimizer: Optimizer) -> None:
-    """Under ZeRO-3 the parameters are DTensors, and a per-tensor optimizer step sends every one of its
-    element-wise ops through DTensor's dispatch: on CPU, torch's default for plain tensors, that was 41 ms
-    of a 0.2 s step for a 0.84 M-parameter GPT (benchmarks, issue 36). Where the user left the choice to
-    torch (``foreach=None`` and ``fused=None``), Adam and AdamW take torch's fused kernel (one pass over
-    the state, on CPU and GPU, DTensors included: torchtitan's default too; on the CPU 4.7x the foreach
-    step on 67 M parameters, and ZeRO-3 CPU offload steps on the host), other optimizers the multi-tensor
-    path, one dispatch per op and group."""
-    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-    for group in optimizer.param_groups:
-        if group.get("foreach") is not None or group.get("fused"):
-            continue
-        if adam and "fused" in group and all(p.is_floating_point() for p in group["params"]):
-            group["fused"] = True
-        elif "foreach" in group:
-            group["foreach"] = True

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_3d.core.config import nvme_directory_problem
+from lightning_3d.zero.optimizer_kinds import IMPLEMENTATION_KEYS
 
 _STORES = itertools.count()
 NVME_CHUNK = 1 << 20  # elements per streamed chunk (4 MiB per fp32 tensor)
@@ -45,11 +46,6 @@ def host_empty(n: int, dtype: torch.dtype = torch.float32) -> Tensor:
 
 def is_adam(optimizer: Optimizer) -> bool:
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-
-
-# How an optimizer runs, not what it computes: kept by the optimizer ZeRO builds (the offload path's
-# fused kernel), never copied over from the user's groups (whose ``fused=None`` would switch it off).
-IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def fused_adam_like(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optimizer:

@@ -65,3 +65,24 @@ def check_optimizer_layout(optimizer: Any, zero_stage: int, tensor_parallel: int
         f"(pipeline and data parallelism are fine; mixed precision keeps whole fp32 masters), or an element-wise "
         f"optimizer such as AdamW. If {name} is element-wise after all, set `elementwise = True` on it."
     )
+
+
+# How an optimizer runs, not what it computes. Optimizers ZeRO builds choose these themselves (below);
+# the per-step copy of the user's hyper-parameters must not carry them over (``fused=None`` would
+# switch a chosen fused kernel off).
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def prefer_fused_adam(optimizer: torch.optim.Optimizer, foreach_otherwise: bool = False) -> None:
+    """Where the user left the choice to torch (``foreach=None`` and ``fused=None``), Adam and AdamW take
+    torch's fused kernel: one pass over parameter, gradient and both moments instead of a dozen
+    element-wise ops, on CPU and GPU, DTensors included (torchtitan's default as well). With
+    ``foreach_otherwise``, other optimizers take the multi-tensor path. A choice the user made stays."""
+    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    for group in optimizer.param_groups:
+        if group.get("foreach") is not None or group.get("fused") or group.get("differentiable"):
+            continue
+        if adam and "fused" in group and all(p.is_floating_point() and not p.is_complex() for p in group["params"]):
+            group["fused"] = True
+        elif foreach_otherwise and "foreach" in group:
+            group["foreach"] = True

@@ -61,8 +61,8 @@ from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, sequence_parallel_group, shard_like
 from lightning_3d.testing.strict_comm import mark_host
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
-from lightning_3d.zero.offload import IMPLEMENTATION_KEYS, ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
-from lightning_3d.zero.optimizer_kinds import check_optimizer_layout
+from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
+from lightning_3d.zero.optimizer_kinds import IMPLEMENTATION_KEYS, check_optimizer_layout, prefer_fused_adam
 
 REDUCE_DTYPE = torch.float32
 
@@ -389,7 +389,9 @@ class ZeroOptimizer:
 
     def _inner_optimizer(self) -> Optimizer:
         """The optimizer that updates this rank's master segments: with CPU offload of Adam/AdamW,
-        torch's fused CPU kernel; otherwise a shallow copy of the user's optimizer."""
+        torch's fused CPU kernel; otherwise a shallow copy of the user's optimizer, on the fused
+        kernel where the user left Adam's choice to torch (one call over every segment, not a dozen
+        ops per segment)."""
         groups = []
         for g_idx, group in enumerate(self.optimizer.param_groups):
             segments = [s.tensor for b in self.buckets if b.group_index == g_idx for s in b.segments]
@@ -399,6 +401,7 @@ class ZeroOptimizer:
         inner = copy.copy(self.optimizer)
         inner.__dict__.pop("step", None)  # LR schedulers patch the instance's step; ours is the class's
         inner.param_groups = groups
+        prefer_fused_adam(inner)
         inner.state = defaultdict(dict)
         try:  # optimizers that create state eagerly in __init__ (Adagrad)
             fresh = type(self.optimizer)([dict(g) for g in groups], **self.optimizer.defaults)
@@ -468,8 +471,7 @@ class ZeroOptimizer:
         """The user's current hyper-parameters (a schedule changes ``lr``) into the inner optimizer's
         groups; not how it runs (the user's ``fused=None`` would turn offload's fused kernel off)."""
         for inner_group, group in zip(inner.param_groups, self.optimizer.param_groups):
-            keep = ("params", *IMPLEMENTATION_KEYS) if self.offload == "cpu" else ("params",)
-            inner_group.update({k: v for k, v in group.items() if k not in keep and k in inner_group})
+            inner_group.update({k: v for k, v in group.items() if k not in ("params", *IMPLEMENTATION_KEYS) and k in inner_group})
 
     def _step_in_memory(self, used: list[list[bool]]) -> list[_Bucket]:
         assert self.inner is not None
