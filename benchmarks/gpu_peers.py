@@ -59,13 +59,16 @@ def build(config: Any, lr: float, device: Any) -> tuple[Any, Any, Callable[[Any]
     import torch
 
     from lightning_3d.models import GPT, GPTModule
+    from lightning_3d.zero.optimizer_kinds import prefer_fused_adam
 
     module = GPTModule(config, lr=lr, warmup_steps=1, decay_steps=10**9)  # a constant rate, as ours
     with torch.device(device):
         module.model = GPT(config)
 
     def recipe(_: Any) -> Any:
-        return module.configure_optimizers()
+        built = module.configure_optimizers()
+        prefer_fused_adam(built["optimizer"])  # the kernel our ZeRO picks, and torchtitan's default
+        return built
 
     return module.model, module, recipe
 

@@ -339,3 +339,22 @@ def test_one_trainer_can_fit_validate_and_fit_again(dp2, stage):
     for r in dp2:
         run = result_of(r, f"reuse{stage}")
         assert np.isfinite(run["val_loss"]) and run["steps"] == 4
+
+
+def test_adam_runs_fused_only_where_the_user_left_the_choice() -> None:
+    """ZeRO picks torch's fused Adam where ``fused`` and ``foreach`` are unset, keeps what the user set
+    (``fused=False`` included), and leaves meta parameters (the dry run) on the per-tensor path."""
+    from lightning_3d.zero.optimizer_kinds import prefer_fused_adam
+
+    def flags(opt: torch.optim.Optimizer, **kw: bool) -> tuple:
+        prefer_fused_adam(opt, **kw)
+        return opt.param_groups[0]["fused"], opt.param_groups[0]["foreach"]
+
+    param = lambda device="cpu": [torch.nn.Parameter(torch.zeros(3, device=device))]  # noqa: E731
+    assert flags(torch.optim.AdamW(param())) == (True, None)
+    assert flags(torch.optim.AdamW(param(), fused=False)) == (False, None)
+    assert flags(torch.optim.Adam(param(), foreach=True)) == (None, True)
+    assert flags(torch.optim.AdamW(param("meta"))) == (None, None)
+    sgd = torch.optim.SGD(param(), lr=0.1)
+    prefer_fused_adam(sgd, foreach_otherwise=True)
+    assert sgd.param_groups[0]["foreach"] is True and not sgd.param_groups[0].get("fused")

@@ -528,6 +528,8 @@ class Planner:
                 host += (4 + (c if c != 4 else 0)) * optimizer_shard * cluster.devices_per_node
         elif layout.offload == "nvme":
             nvme = k * optimizer_shard * cluster.devices_per_node
+            if layout.zero_stage == 2:  # the reduced fp32 gradient slice is kept on the host
+                host = 4 * optimizer_shard * cluster.devices_per_node
         capacity = cluster.device.memory_gb * 1e9 * ALLOCATOR_HEADROOM
         why_not = ""
         if best_memory["total"] > capacity:

@@ -80,9 +80,10 @@ def prefer_fused_adam(optimizer: torch.optim.Optimizer, foreach_otherwise: bool 
     ``foreach_otherwise``, other optimizers take the multi-tensor path. A choice the user made stays."""
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     for group in optimizer.param_groups:
-        if group.get("foreach") is not None or group.get("fused") or group.get("differentiable"):
+        if group.get("foreach") is not None or group.get("fused") is not None or group.get("differentiable"):
             continue
-        if adam and "fused" in group and all(p.is_floating_point() and not p.is_complex() for p in group["params"]):
+        # (not on the meta device, where the dry run steps: the fused kernel refuses it)
+        if adam and "fused" in group and all(p.is_floating_point() and not p.is_meta for p in group["params"]):
             group["fused"] = True
         elif foreach_otherwise and "foreach" in group:
             group["foreach"] = True
