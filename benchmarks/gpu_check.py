@@ -1,6 +1,8 @@
 """The stack on one real GPU (CUDA + NCCL, world size 1) in one run: a bf16 GPT of 1.28 B parameters
 trains 3 optimizer steps under each ZeRO stage, CPU and NVMe optimizer offload, ZeRO-3 CPU offload
-and full / selective recompute, from the same seed on the same data. See docs/gpu.md.
+and full / selective recompute, from the same seed on the same data; then the peers (DeepSpeed ZeRO
+1-3 and ZeRO-Offload, a plain torch FSDP2 loop: ``gpu_peers.py``) on the same model, data and AdamW,
+compared in the verdict's ``peers`` section. See docs/gpu.md.
 
     python benchmarks/gpu_check.py                      # one GPU (install a CUDA torch first: README)
     python benchmarks/gpu_check.py --cases zero0,zero3  # a subset (zero0, the reference, always runs)
