@@ -66,6 +66,8 @@ class CheckpointHooks:
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._format.load_optimizer_states(self._job(), checkpoint)
+        if self._zero is not None:  # the saved groups replaced ours: their kernel choice may be another layout's
+            self._zero.optimizers_loaded(self._job().optimizers)
         if self.lightning_module is not None:  # (Lightning restores the loops just before the optimizers)
             reload_loader_built_before_restore(self.lightning_module.trainer)
 

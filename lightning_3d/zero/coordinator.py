@@ -152,6 +152,15 @@ class ZeroCoordinator:
         for opt in self.zero_optimizers:
             opt.load_dense_master(dense)
 
+    def optimizers_loaded(self, optimizers: list[Any]) -> None:
+        """After a checkpoint's optimizer states were loaded: torch's ``load_state_dict`` replaced each
+        group with the saved one, whose ``fused``/``foreach`` may be unset (saved under ZeRO 0-2), so
+        stage 3 chooses its kernel again (see :meth:`wrap_optimizers`). The ZeRO 0-2 optimizers keep
+        their inner optimizer's choice themselves."""
+        if self.stage == 3:
+            for opt in optimizers:
+                prefer_fused_adam(opt, foreach_otherwise=True)
+
     def remove(self) -> None:
         if self.reducer is not None:
             self.reducer.remove()
