@@ -132,6 +132,17 @@ def _kill(procs: list) -> None:
         p.join(timeout=5)
 
 
+def _root_cause(name: str, procs: list[Any], rank: int, error: str) -> str:
+    """A rank's error, unless another rank died first: a rank that hosts the store and exits makes its
+    peers fail in their own set-up ('Connection reset by peer'), and the death is what to name."""
+    time.sleep(0.2)  # the dead rank's exit is seen once the process is reaped
+    dead = [(r, p.exitcode) for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+    if dead:
+        r, code = dead[0]
+        return f"{name}: rank {r} died with exit code {code}; then rank {rank} raised:\n{error}"
+    return f"{name}: rank {rank} raised:\n{error}"
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -189,7 +200,7 @@ def run_on_ranks(
                         break
                 continue
             if not ok:
-                raise RankError(f"{fn.__name__}: rank {rank} raised:\n{value}")
+                raise RankError(_root_cause(fn.__name__, procs, rank, value))
             done[rank] = value
     finally:
         for p in procs:
