@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from typing import Any, Callable, Optional
 
 Step = Callable[[Any, Any], Any]  # (input ids, targets) -> the loss, after the optimizer step
@@ -28,12 +27,11 @@ def init_one_rank(gpu: bool) -> None:
     """A one-rank process group (NCCL on the GPU, gloo on the CPU), as Lightning starts ours."""
     import torch.distributed as dist
 
+    from lightning_3d.testing.harness import free_port
+
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
 
 
@@ -52,10 +50,10 @@ def batches(corpus: str, seq: int, batch: int, seed: int) -> Any:
     return iter(DataLoader(loader.dataset, batch_size=batch, sampler=sampler, drop_last=loader.drop_last, collate_fn=loader.collate_fn))
 
 
-def build(config: Any, lr: float, device: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
-    """The GPU check's model, built as our strategy builds it (seeded beforehand, on the device), its
-    ``GPTModule`` (for the optimizer recipe) and a function that makes that recipe's optimizer and
-    schedule on whichever parameters a stack hands it."""
+def build(config: Any, lr: float, device: Any) -> tuple[Any, Callable[[], Any]]:
+    """The GPU check's model, built as our strategy builds it (seeded beforehand, on the device), and a
+    function that makes its ``GPTModule``'s optimizer and schedule (``configure_optimizers``) over the
+    model's parameters as they are when called (after a stack has wrapped them)."""
     import torch
 
     from lightning_3d.models import GPT, GPTModule
@@ -65,21 +63,21 @@ def build(config: Any, lr: float, device: Any) -> tuple[Any, Any, Callable[[Any]
     with torch.device(device):
         module.model = GPT(config)
 
-    def recipe(_: Any) -> Any:
+    def recipe() -> Any:
         built = module.configure_optimizers()
         prefer_fused_adam(built["optimizer"])  # the kernel our ZeRO picks, and torchtitan's default
         return built
 
-    return module.model, module, recipe
+    return module.model, recipe
 
 
-def deepspeed_step(model: Any, module: Any, recipe: Callable[[Any], Any], stage: int, offload: bool, batch: int) -> Step:
+def deepspeed_step(model: Any, recipe: Callable[[], Any], stage: int, offload: bool, batch: int) -> Step:
     """DeepSpeed's engine on the model: bf16 parameters with fp32 masters (its ``bf16`` mode), the
     recipe's AdamW (DeepSpeed's ``DeepSpeedCPUAdam`` with offload, as ZeRO-Offload requires) and
     schedule, no clipping; ZeRO-3 shards every parameter, as ours does."""
     import deepspeed
 
-    built = recipe(module)
+    built = recipe()
     optimizer = built["optimizer"]
     schedule = built["lr_scheduler"]["scheduler"].lr_lambdas[0]
     if offload:
@@ -115,7 +113,7 @@ def deepspeed_step(model: Any, module: Any, recipe: Callable[[Any], Any], stage:
     return step
 
 
-def fsdp2_step(model: Any, module: Any, recipe: Callable[[Any], Any]) -> Step:
+def fsdp2_step(model: Any, recipe: Callable[[], Any]) -> Step:
     """torch's FSDP2 as torchtitan applies it: each block and the root sharded, bf16 parameters in
     compute, fp32 gradient reduction, fp32 parameters and AdamW."""
     import torch
@@ -125,7 +123,7 @@ def fsdp2_step(model: Any, module: Any, recipe: Callable[[Any], Any]) -> Step:
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    built = recipe(module)
+    built = recipe()
     optimizer, scheduler = built["optimizer"], built["lr_scheduler"]["scheduler"]
 
     def step(x: Any, y: Any) -> Any:
@@ -157,11 +155,11 @@ def run_peer(stack: str, stage: int, offload: str, config: Any, args: Any, corpu
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_one_rank(gpu)
     L.seed_everything(args.seed, verbose=False)
-    model, module, recipe = build(config, args.lr, device)
+    model, recipe = build(config, args.lr, device)
     if stack == "deepspeed":
-        step = deepspeed_step(model, module, recipe, stage, offload == "cpu", args.batch)
+        step = deepspeed_step(model, recipe, stage, offload == "cpu", args.batch)
     elif stack == "fsdp2":
-        step = fsdp2_step(model, module, recipe)
+        step = fsdp2_step(model, recipe)
     else:
         raise ValueError(f"unknown peer stack {stack!r}")
     stream = batches(corpus, args.seq, args.batch, args.seed)

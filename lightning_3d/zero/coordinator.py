@@ -88,10 +88,7 @@ class ZeroCoordinator:
         for opt in optimizers:  # before step 1: refuse optimizers that would see pieces of parameters
             check_optimizer_layout(opt, self.stage, self.topology.dims.tp, self.topology.dims.ep)
         if self.stage == 3:
-            for opt in optimizers:
-                # DTensor parameters: a per-tensor step dispatches every element-wise op (41 ms of a
-                # 0.2 s step on the CPU bench GPT); FSDP2's CPU offload steps them on the host
-                prefer_fused_adam(opt, foreach_otherwise=True)
+            self.optimizers_loaded(optimizers)  # the kernel choice; the optimizers stay the user's
             return optimizers
         if self.stage == 0 and not self.mixed:
             self.reducer = GradientReducer(module.parameters(), self.topology.dp_group, self.bucket_bytes)
@@ -153,10 +150,12 @@ class ZeroCoordinator:
             opt.load_dense_master(dense)
 
     def optimizers_loaded(self, optimizers: list[Any]) -> None:
-        """After a checkpoint's optimizer states were loaded: torch's ``load_state_dict`` replaced each
-        group with the saved one, whose ``fused``/``foreach`` may be unset (saved under ZeRO 0-2), so
-        stage 3 chooses its kernel again (see :meth:`wrap_optimizers`). The ZeRO 0-2 optimizers keep
-        their inner optimizer's choice themselves."""
+        """Stage 3 chooses the user's optimizers' kernel (:func:`prefer_fused_adam`): DTensor parameters
+        make a per-tensor step dispatch every element-wise op (41 ms of a 0.2 s step on the CPU bench
+        GPT), and FSDP2's CPU offload steps them on the host. At set-up, and again after a checkpoint's
+        optimizer states were loaded: torch's ``load_state_dict`` replaced each group with the saved
+        one, whose ``fused``/``foreach`` may be unset (saved under ZeRO 0-2). The ZeRO 0-2 optimizers
+        keep their inner optimizer's choice themselves."""
         if self.stage == 3:
             for opt in optimizers:
                 prefer_fused_adam(opt, foreach_otherwise=True)

@@ -127,6 +127,13 @@ class _Bucket:
     def slice_of(self, buf: Tensor) -> Tensor:
         return buf[self.shard_start : self.shard_start + self.shard_size]
 
+    def host_grad_buffer(self, dtype: torch.dtype) -> Tensor:
+        """The kept host buffer for this rank's gradient slice (allocated at first use)."""
+        if self.host_grad is None:
+            self.host_grad = host_empty(self.shard_size, dtype)
+            mark_host(self.host_grad, "offload: a gradient slice in host memory")
+        return self.host_grad
+
 
 class ShardedGradients(BucketedBackward[_Bucket]):
     """The backward half of :class:`ZeroOptimizer`: bucket reductions into per-rank slices.
@@ -228,12 +235,8 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         """ZeRO-2 offload: the reduced slice into the bucket's host buffer. The step's first reduction
         copies it there asynchronously (from a GPU into pinned memory: the copy overlaps the rest of the
         backward; :meth:`grad_slice` waits for it); a later one in the same step adds to it."""
-        if bucket.host_grad is None:
-            bucket.host_grad = host_empty(bucket.shard_size, self.host_dtype)
-            mark_host(bucket.host_grad, "ZeRO-2 offload: a reduced gradient slice in host memory")
         if bucket.grad_shard is None:
-            bucket.host_grad.copy_(reduced, non_blocking=True)
-            bucket.grad_shard = bucket.host_grad
+            bucket.grad_shard = bucket.host_grad_buffer(self.host_dtype).copy_(reduced, non_blocking=True)
             if reduced.is_cuda:
                 self._host_copies = torch.cuda.Event()
                 self._host_copies.record()
@@ -502,9 +505,7 @@ class ZeroOptimizer:
             return grad
         if self.host is None:
             return grad.to(master.device, master.dtype)
-        if bucket.host_grad is None:
-            bucket.host_grad = host_empty(bucket.shard_size, master.dtype)
-        return bucket.host_grad.copy_(grad)
+        return bucket.host_grad_buffer(master.dtype).copy_(grad)
 
     def _upload(self, bucket: _Bucket, mine: Tensor) -> None:
         """Updated masters into this rank's slice of the parameters. From host memory to a GPU in
