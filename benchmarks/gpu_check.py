@@ -134,6 +134,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rtol", type=float, default=RTOL, help="loss agreement with zero0, relative (see docs/gpu.md)")
     parser.add_argument("--nvme-dir", default=None, help="where the NVMe case's temporary directory goes (default: $TMPDIR)")
     parser.add_argument("--case-timeout", type=float, default=300.0, help="seconds one case's process may take (default 300)")
+    parser.add_argument(
+        "--profile-dir", default=None, help="profile one extra step per case (kept out of its timings) into this directory (gpu_profile.py)"
+    )
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a child process runs this one case
     args = parser.parse_args(argv)
     defaults = DRY_RUN if args.cpu_dry_run else GPU_RUN
@@ -301,10 +304,13 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             traceback.print_exc(file=sys.stderr)
             result["predicted"] = {"error": f"{type(err).__name__}: {err}"[:300]}
         corpus = corpus_file(2 * (args.steps + 1) * (tokens + args.batch) + 4096)  # enough for the run and a 5% validation tail
+        profile = step_profile(case, args)
         if case.peer:
-            losses, seconds, backend = run_peer_case(case, config, args, str(corpus))
+            losses, seconds, backend = run_peer_case(case, config, args, str(corpus), profile)
         else:
-            losses, seconds, backend = run_our_case(kwargs, config, args, str(corpus))
+            losses, seconds, backend = run_our_case(kwargs, config, args, str(corpus), profile)
+        if profile is not None:
+            result["profile"] = profile.summary
         if len(losses) != args.steps:
             raise RuntimeError(f"trained {len(losses)} steps, expected {args.steps}")
         timed = seconds[1:] or seconds  # the first step warms up kernels and the allocator
@@ -337,9 +343,21 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def run_our_case(kwargs: dict[str, Any], config: Any, args: argparse.Namespace, corpus: str) -> tuple[list[float], list[float], Optional[str]]:
-    """``args.steps`` steps of lightning_3d's Trainer with the strategy ``kwargs``: losses, step
-    seconds and the process group's backend."""
+def step_profile(case: Case, args: argparse.Namespace) -> Any:
+    """With ``--profile-dir``, the profiler of the case's extra step (``gpu_profile.StepProfile``)."""
+    if not args.profile_dir:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_profile import StepProfile
+
+    return StepProfile(args.profile_dir, case.name, gpu=not args.cpu_dry_run)
+
+
+def run_our_case(
+    kwargs: dict[str, Any], config: Any, args: argparse.Namespace, corpus: str, profile: Any = None
+) -> tuple[list[float], list[float], Optional[str]]:
+    """``args.steps`` steps of lightning_3d's Trainer with the strategy ``kwargs`` (and one more under
+    ``profile``, not recorded): losses, step seconds and the process group's backend."""
     import lightning as L
     import torch
 
@@ -349,8 +367,9 @@ def run_our_case(kwargs: dict[str, Any], config: Any, args: argparse.Namespace, 
 
     gpu = not args.cpu_dry_run
     L.seed_everything(args.seed, verbose=False)
-    probe = step_probe(gpu)
-    trainer = one_device_trainer(gpu, ThreeDParallelStrategy(**kwargs), args.steps, probe)
+    probe = step_probe(gpu, args.steps, profile)
+    steps = args.steps + (profile is not None)
+    trainer = one_device_trainer(gpu, ThreeDParallelStrategy(**kwargs), steps, probe)
     module = GPTModule(config, lr=args.lr, warmup_steps=1, decay_steps=10**9)  # a constant rate
     data = TextDataModule(source=corpus, block_size=args.seq, batch_size=args.batch)
     trainer.fit(module, data)
@@ -378,8 +397,10 @@ def one_device_trainer(gpu: bool, strategy: Any, steps: int, callback: Any) -> A
     )
 
 
-def run_peer_case(case: Case, config: Any, args: argparse.Namespace, corpus: str) -> tuple[list[float], list[float], Optional[str]]:
-    """The same steps on another stack (``benchmarks/gpu_peers.py``)."""
+def run_peer_case(
+    case: Case, config: Any, args: argparse.Namespace, corpus: str, profile: Any = None
+) -> tuple[list[float], list[float], Optional[str]]:
+    """The same steps on another stack (``benchmarks/gpu_peers.py``), and one more under ``profile``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu_peers
 
@@ -387,17 +408,23 @@ def run_peer_case(case: Case, config: Any, args: argparse.Namespace, corpus: str
     seconds: list[float] = []
 
     def record(loss: float, elapsed: float) -> None:
+        if profile is not None and profile.active:
+            profile.end()
+            return
         losses.append(loss)
         seconds.append(elapsed)
+        if profile is not None and len(losses) == args.steps:
+            profile.begin()  # the loop's next step is the profiled one
 
-    backend = gpu_peers.run_peer(case.peer, case.zero_stage, case.offload, config, args, corpus, record)
+    run_args = argparse.Namespace(**{**vars(args), "steps": args.steps + (profile is not None)})
+    backend = gpu_peers.run_peer(case.peer, case.zero_stage, case.offload, config, run_args, corpus, record)
     return losses, seconds, backend
 
 
-def step_probe(gpu: bool) -> Any:
+def step_probe(gpu: bool, steps: int, profile: Any = None) -> Any:
     """A Lightning callback that records each step's loss and its wall time, from batch start to the
-    end of the optimizer step (device synchronized). Built here so the parent process never imports
-    Lightning."""
+    end of the optimizer step (device synchronized), for ``steps`` steps; a step after those runs
+    under ``profile``. Built here so the parent process never imports Lightning."""
     import lightning as L
     import torch
 
@@ -412,10 +439,16 @@ def step_probe(gpu: bool) -> Any:
                 torch.cuda.synchronize()
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if profile is not None and len(self.seconds) == steps:
+                profile.begin()
+                return
             self._sync()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if profile is not None and profile.active:
+                profile.end()
+                return
             self._sync()
             self.seconds.append(time.perf_counter() - self._start)
             self.losses.append(float(outputs["loss"]))
@@ -432,6 +465,8 @@ def run_in_child(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         cmd.append("--cpu-dry-run")
     if args.nvme_dir:
         cmd += ["--nvme-dir", args.nvme_dir]
+    if args.profile_dir:
+        cmd += ["--profile-dir", args.profile_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.case_timeout)
