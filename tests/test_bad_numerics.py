@@ -306,6 +306,27 @@ def test_max_consecutive_nonfinite_is_validated():
     assert ThreeDPrecision("16-mixed").max_consecutive_nonfinite == 10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_gradients_are_checked_for_every_nonfinite_value(dtype):
+    """Offloaded (host) gradients take the min/max path: NaN, +inf and -inf anywhere in a tensor --
+    the first element, a vector lane in the middle, the scalar tail, a strided view -- are found,
+    and huge finite values (whose squares would overflow) are not."""
+    from lightning_3d.plugins.precision import _nonfinite
+
+    cpu = torch.device("cpu")
+    big = torch.finfo(dtype).max
+    finite = [torch.full((1037,), big, dtype=dtype), -torch.full((64, 3), big, dtype=dtype)[:, 1], torch.zeros(0, dtype=dtype)]
+    assert _nonfinite(finite, cpu).item() == 0.0
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 517, 1036):
+            t = torch.randn(1037).to(dtype)
+            t[where] = bad
+            assert _nonfinite([*finite, t], cpu).item() == 1.0, (bad, where)
+        strided = torch.randn(64, 3).to(dtype)
+        strided[63, 1] = bad
+        assert _nonfinite([strided[:, 1]], cpu).item() == 1.0, bad
+
+
 def test_loss_scaler_warns_once_when_it_reaches_its_floor():
     scaler = DynamicLossScaler(initial_scale=8.0, hysteresis=1, min_scale=2.0)
     with warnings.catch_warnings(record=True) as caught:

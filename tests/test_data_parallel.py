@@ -216,9 +216,23 @@ def collectives() -> dict[str, Any]:
     trainer.fit(BoringModel())
     s = trainer.strategy
     rank = torch.distributed.get_rank()
+    barriers = []  # a reduce is one all-reduce: no barrier before it (a host stall per logged value on NCCL)
+    plain_barrier = torch.distributed.barrier
+    torch.distributed.barrier = lambda *a, **k: barriers.append(1) or plain_barrier(*a, **k)
+    try:
+        reduced = {
+            "mean": float(s.reduce(torch.tensor(float(rank)), reduce_op="mean")),
+            "sum": float(s.reduce(torch.tensor(float(rank + 1)), reduce_op="sum")),
+            "int_mean": s.reduce(torch.tensor(rank + 2), reduce_op="mean").tolist(),
+            "max": float(s.reduce(torch.tensor(float(rank)), reduce_op="max")),
+            "enum_sum": float(s.reduce(torch.tensor(2.0), reduce_op=torch.distributed.ReduceOp.SUM)),
+            "default_op": float(s.reduce(torch.tensor(float(rank)))),
+        }
+    finally:
+        torch.distributed.barrier = plain_barrier
     return {
-        "mean": float(s.reduce(torch.tensor(float(rank)), reduce_op="mean")),
-        "sum": float(s.reduce(torch.tensor(float(rank + 1)), reduce_op="sum")),
+        **reduced,
+        "barriers_in_reduce": len(barriers),
         "gathered": s.all_gather(torch.tensor([rank, 10 + rank])).tolist(),
         "broadcast": s.broadcast({"from": rank}, src=0),
         "all_agree_false": s.reduce_boolean_decision(rank == 0, all=True),
@@ -328,6 +342,10 @@ def test_collectives_default_to_the_data_parallel_group(dp2):
     c0, c1 = (result_of(r, "collectives") for r in dp2)
     assert c0["mean"] == c1["mean"] == 0.5
     assert c0["sum"] == c1["sum"] == 3.0
+    assert c0["int_mean"] == c1["int_mean"] == 2  # (2 + 3) / 2 in the tensor's own dtype, as Lightning's
+    assert c0["max"] == c1["max"] == 1.0 and c0["enum_sum"] == c1["enum_sum"] == 4.0
+    assert c0["default_op"] == c1["default_op"] == 0.5  # Lightning's default: the mean
+    assert c0["barriers_in_reduce"] == c1["barriers_in_reduce"] == 0
     assert c0["gathered"] == c1["gathered"] == [[0, 10], [1, 11]]
     assert c0["broadcast"] == c1["broadcast"] == {"from": 0}
     assert not c0["all_agree_false"] and not c1["all_agree_false"]

@@ -111,14 +111,20 @@ class NonFiniteStepsError(RuntimeError):
 
 def _nonfinite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
     """1.0 if any element of ``tensors`` is inf or NaN, else 0.0: a tensor on ``device``, no host sync.
-    One fused max-abs per (device, dtype) group (inf and NaN survive it; squaring could overflow)."""
+    On a GPU one fused max-abs per (device, dtype) group (inf and NaN survive it; squaring could
+    overflow). In host memory (offloaded gradients) each tensor's min and max instead: torch's CPU
+    max-abs runs about 10x slower than its vectorized min/max (0.13 vs 0.012 s per 10^8 fp32 on 2
+    cores), and on a 1.28 B offloaded model it was a third of the step (0.38 s of 1.12 s, H200 host)."""
     flag = torch.zeros((), device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    for group in groups.values():
-        worst = torch.stack(torch._foreach_norm(group, float("inf")))
+    for (where, _), group in groups.items():
+        if where.type == "cpu":
+            worst = torch.stack([bound for t in group for bound in torch.aminmax(t)])  # NaN and +-inf survive min/max
+        else:
+            worst = torch.stack(torch._foreach_norm(group, float("inf")))
         flag = torch.maximum(flag, (~torch.isfinite(worst)).any().float().to(device))
     return flag
 
