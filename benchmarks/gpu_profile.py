@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 # Host calls that wait for the device: each one empties the launch queue, and the GPU then idles
-# while the host launches the next kernels.
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy")
+# while the host launches the next kernels. (Prefixes: "cudaMemcpy" takes in cudaMemcpyAsync, which
+# waits too where the host side is pageable memory; the counts are an upper bound on those.)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:

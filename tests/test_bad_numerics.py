@@ -99,6 +99,40 @@ def fp32_transient_nan() -> dict[str, Any]:
     return result
 
 
+class NanGradientGPT(GPTModule):
+    """The tiny GPT whose first block's attention weight gets a NaN gradient (the loss stays finite) on
+    the given global steps, on rank 1 only: only the gradients can tell."""
+
+    def __init__(self, nan_steps: Callable[[int], bool]) -> None:
+        super().__init__(GPTConfig(**TINY_GPT), lr=1e-2, warmup_steps=2)
+        self.nan_steps = nan_steps
+
+    def on_fit_start(self) -> None:
+        weight = next(p for n, p in self.named_parameters() if p.requires_grad and p.dim() == 2 and ".0." in n)
+        weight.register_hook(lambda g: g * float("nan") if self.nan_steps(self.trainer.global_step) and dist.get_rank() == 1 else g)
+
+
+def offload_nan_gradient() -> dict[str, Any]:
+    """ZeRO-2 CPU offload, fp32, no clipping: rank 1's gradient is NaN on steps 2 and 3. The check is the
+    flag the optimizer raised on the device as the slices went to the host -- the precision plugin
+    never looks at the host slices (counted) -- and the two steps are skipped on both ranks."""
+    import lightning_3d.plugins.precision as precision_module
+
+    looked = []
+    plain = precision_module.any_nonfinite
+    precision_module.any_nonfinite = lambda tensors, device: looked.append(1) or plain(tensors, device)
+    try:
+        L.seed_everything(0)
+        precision = ThreeDPrecision("32-true")
+        strategy = ThreeDParallelStrategy(zero_stage=2, offload_optimizer="cpu", bucket_size_mb=0.05, health_check=False)
+        model = NanGradientGPT(lambda step: step in (2, 3))
+        trainer = quiet_trainer(max_steps=6, limit_val_batches=0, strategy=strategy, plugins=[precision])
+        trainer.fit(model, tiny_data(global_batch_size=8))
+    finally:
+        precision_module.any_nonfinite = plain
+    return {"skipped": precision.skipped_steps, "global_step": trainer.global_step, "finite": _finite(model), "host_looks": len(looked)}
+
+
 # -- item 3: token ids outside the vocabulary ------------------------------------------------------------
 def _lying_token_file(directory: str) -> str:
     """A token file whose .bin.json says vocab_size=256 but which holds id 300 every 97 tokens."""
@@ -207,6 +241,7 @@ def world(directory: str) -> dict[str, Any]:
             "bf16_nan_on_one_rank": bf16_nan_on_one_rank,
             "fp32_nan_without_clipping": fp32_nan_without_clipping,
             "fp32_transient_nan": fp32_transient_nan,
+            "offload_nan_gradient": offload_nan_gradient,
             "file_vocab_larger_than_model": lambda: _fit_data(wide),
             "ids_past_vocab_tp1": lambda: _fit_data(lying),
             "ids_past_vocab_tp2": lambda: _fit_data(lying, tp=2),
@@ -273,6 +308,12 @@ def test_transient_nan_steps_are_skipped_counted_and_training_continues(ranks):
     assert len(first) == 1 and "global step 2" in first[0] and len(summary) == 1, said
 
 
+def test_offloaded_nan_gradients_are_caught_on_the_device_and_skipped(ranks):
+    for r in _errors(ranks, "offload_nan_gradient"):
+        assert r["skipped"] == 2 and r["global_step"] == 6 and r["finite"], r
+        assert r["host_looks"] == 0, "the step looked at the host gradient slices instead of the device flag"
+
+
 def test_token_file_with_a_larger_vocabulary_is_refused_at_setup(ranks):
     for r in _errors(ranks, "file_vocab_larger_than_model"):
         assert r["raised"] is not None and r["global_step"] == 0
@@ -311,7 +352,7 @@ def test_host_gradients_are_checked_for_every_nonfinite_value(dtype):
     """Offloaded (host) gradients take the min/max path: NaN, +inf and -inf anywhere in a tensor --
     the first element, a vector lane in the middle, the scalar tail, a strided view -- are found,
     and huge finite values (whose squares would overflow) are not."""
-    from lightning_3d.plugins.precision import _nonfinite
+    from lightning_3d.core.finite import any_nonfinite as _nonfinite
 
     cpu = torch.device("cpu")
     big = torch.finfo(dtype).max

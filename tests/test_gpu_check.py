@@ -137,3 +137,38 @@ def test_the_planner_counts_what_offload_keeps_on_the_host(tmp_path: Path) -> No
     nvme = gpu_check.predict(gpu_check.CASE_BY_NAME["zero1_offload_nvme"], config, run["batch"], "NVIDIA H200", str(tmp_path))
     assert cpu["host_gib"] * gpu_check.GIB == pytest.approx(18 * psi, rel=1e-3) and cpu["nvme_gib"] == 0, (asdict(config), cpu)
     assert nvme["nvme_gib"] * gpu_check.GIB == pytest.approx(12 * psi, rel=1e-3) and nvme["host_gib"] == 0, nvme
+
+
+def test_profile_dir_profiles_one_extra_step_per_case_outside_the_timings(tmp_path: Path) -> None:
+    rc, lines, output = _run("--in-process", "--cases", "zero1,fsdp2_zero3", "--profile-dir", str(tmp_path))
+    assert rc == 0, output
+    *cases, verdict = lines
+    assert verdict["passed"], output
+    for c in cases:  # zero0 (always), zero1, the FSDP2 peer: 3 recorded steps each, the 4th profiled
+        assert c["ok"] and len(c["losses"]) == 3 and len(c["step_seconds"]) == 3, (c["case"], output)
+        assert c["profile"]["wall_s"] > 0 and "host_syncs" in c["profile"], c
+        assert (tmp_path / f"{c['case']}.txt").read_text().startswith(f"{c['case']}: one profiled step")
+        assert (tmp_path / f"{c['case']}.json.gz").stat().st_size > 0
+    plain_rc, plain, plain_output = _run("--in-process", "--cases", "zero1")
+    assert plain_rc == 0, plain_output
+    assert plain[1]["losses"] == cases[1]["losses"]  # profiling changed nothing recorded
+
+
+def test_profile_summary_counts_busy_time_once_and_the_host_syncs() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_profile import busy_seconds, summarize_trace
+
+    assert busy_seconds([(0, 10), (5, 20), (30, 40), (32, 35)]) == pytest.approx(30e-6)  # overlaps count once
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 400_000},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100_000, "dur": 100_000},  # another stream, overlapping
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 600_000, "dur": 100_000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 0, "dur": 2_000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 5, "dur": 3_000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 9_000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9_000},
+    ]
+    summary = summarize_trace(events, wall_s=1.0)
+    assert summary["gpu_busy_s"] == pytest.approx(0.5) and summary["gpu_busy_fraction"] == pytest.approx(0.5)
+    assert summary["host_syncs"] == {"cudaStreamSynchronize": {"count": 2, "ms": 5.0}}
+    assert list(summary["top_kernels_ms"]) == ["gemm", "Memcpy DtoH"] and summary["top_kernels_ms"]["gemm"] == 500.0

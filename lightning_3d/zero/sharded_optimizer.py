@@ -56,6 +56,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from lightning_3d.core.distributed import current_compute_device
+from lightning_3d.core.finite import any_nonfinite
 from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.tensor_parallel.mappings import gather_along
 from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, sequence_parallel_group, shard_like
@@ -158,7 +159,15 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         self.grad_device = grad_device  # stage 2 with offload: reduced slices go to host memory
         self.host_dtype = host_dtype  # ... in the masters' dtype, which the host step reads
         self._host_copies: Optional[Any] = None  # CUDA event after the last device-to-host copy
+        # offload: inf/NaN seen in the reduced slices on their way to the host (a device flag), and
+        # whether it still describes the host slices (a host-side add or rescale makes it stale)
+        self.nonfinite_seen: Optional[Tensor] = None
+        self.nonfinite_known = True
         self._register(buckets)
+
+    def forget_nonfinite(self) -> None:
+        """A new step: nothing reduced yet, so nothing seen."""
+        self.nonfinite_seen, self.nonfinite_known = None, True
 
     def _transient(self, bucket: _Bucket) -> bool:
         return self.stage == 2 or bucket.reduced
@@ -236,6 +245,9 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         copies it there asynchronously (from a GPU into pinned memory: the copy overlaps the rest of the
         backward; :meth:`grad_slice` waits for it); a later one in the same step adds to it."""
         if bucket.grad_shard is None:
+            # checked here, on the device and in the backward's shadow, so the step need not read host memory
+            seen = any_nonfinite([reduced], reduced.device)
+            self.nonfinite_seen = seen if self.nonfinite_seen is None else torch.maximum(self.nonfinite_seen, seen)
             bucket.grad_shard = bucket.host_grad_buffer(self.host_dtype).copy_(reduced, non_blocking=True)
             if reduced.is_cuda:
                 self._host_copies = torch.cuda.Event()
@@ -243,6 +255,7 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         else:  # a second synchronizing backward before the step (rare): the host adds right away
             self.await_host_copies()
             bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device))
+            self.nonfinite_known = False  # two finite parts can sum to inf
 
     def await_host_copies(self) -> None:
         """Before the host reads an offloaded gradient: the asynchronous copies into it have landed."""
@@ -434,6 +447,7 @@ class ZeroOptimizer:
                     p.grad = None
             bucket.reduced = False
             bucket.used = [False] * len(bucket.params)
+        self.grads.forget_nonfinite()
 
     def _grad_slices(self) -> Iterator[tuple[_Bucket, Tensor]]:
         for _, bucket, grad in self._indexed_grad_slices():
@@ -583,7 +597,20 @@ class ZeroOptimizer:
             yield run[0], run[1], run[2]
 
     # -- precision support: unscale, overflow, global norm, clipping ----------------------------------------
+    def offloaded_nonfinite(self) -> Optional[Tensor]:
+        """ZeRO-2 offload: 1.0 if a reduced slice held inf or NaN when it left the device, else 0.0 (a
+        device tensor, no pass over host memory); ``None`` where the slices must be looked at (no
+        offload, nothing reduced, or the host changed them since: a second backward's add, a rescale)."""
+        grads = self.grads
+        if self.stage != 2 or grads.grad_device is None or not grads.nonfinite_known:
+            return None
+        return grads.nonfinite_seen
+
+    def _host_slices_changed(self) -> None:
+        self.grads.nonfinite_known = False
+
     def unscale_(self, inv_scale: float) -> None:
+        self._host_slices_changed()
         for _, grad in self._grad_slices():
             grad.mul_(inv_scale)
 
@@ -610,11 +637,13 @@ class ZeroOptimizer:
         return total
 
     def scale_grads_(self, factor: Tensor) -> None:
+        self._host_slices_changed()
         for _, grad in self._grad_slices():
             grad.mul_(factor.to(grad.device, grad.dtype))
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every reduced gradient element to ``[-clip_value, clip_value]`` (element-wise: local)."""
+        self._host_slices_changed()  # (a clamped inf is finite: the slices say so, not the flag)
         for _, grad in self._grad_slices():
             grad.clamp_(-clip_value, clip_value)
 
