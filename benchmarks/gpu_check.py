@@ -90,7 +90,9 @@ PEER_LOSS_NOTES = {
     "deepspeed": (
         "DeepSpeed makes its fp32 masters from the bf16-cast weights, where ours and FSDP2 keep the fp32 init: "
         "at a small lr the first updates are below bf16 resolution and its loss falls less. On the CPU, "
-        "rounding the init to bf16 first makes FSDP2's losses equal DeepSpeed's to 5 digits (docs/gpu.md)"
+        "rounding the init to bf16 first makes FSDP2's losses equal DeepSpeed's to 5 digits (docs/gpu.md). "
+        "Its bf16 mode also runs the forward and the loss in bf16 (its engine turns autocast off; its losses are "
+        "bf16 values), so its peak memory lacks the fp32 log-softmax buffers ours and FSDP2 hold"
     ),
 }
 

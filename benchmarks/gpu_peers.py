@@ -72,7 +72,9 @@ def build(config: Any, lr: float, device: Any) -> tuple[Any, Callable[[], Any]]:
 
 
 def deepspeed_step(model: Any, recipe: Callable[[], Any], stage: int, offload: bool, batch: int) -> Step:
-    """DeepSpeed's engine on the model: bf16 parameters with fp32 masters (its ``bf16`` mode), the
+    """DeepSpeed's engine on the model: bf16 parameters with fp32 masters (its ``bf16`` mode; its
+    ``engine.forward`` turns the caller's autocast off -- ``autocast_if_enabled`` in DeepSpeed 0.19 --
+    so its forward and loss run in bf16, where ours and FSDP2 keep autocast's fp32 ops), the
     recipe's AdamW (DeepSpeed's ``DeepSpeedCPUAdam`` with offload, as ZeRO-Offload requires) and
     schedule, no clipping; ZeRO-3 shards every parameter, as ours does."""
     import deepspeed
@@ -168,7 +170,8 @@ def run_peer(stack: str, stage: int, offload: str, config: Any, args: Any, corpu
         x, y = (t.to(device) for t in next(stream))
         sync()
         start = time.perf_counter()
-        # bf16-mixed as Lightning's and ours run it: autocast around the step, so what stays fp32 (the
+        # bf16-mixed as Lightning's and ours run it: autocast around the step (DeepSpeed's bf16 mode turns
+        # it off inside its engine's forward), so what stays fp32 (the
         # loss's log-softmax) is fp32 in every stack
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = step(x, y)

@@ -46,12 +46,35 @@ def summarize_trace(events: list[dict[str, Any]], wall_s: float) -> dict[str, An
         kernels[e["name"]] = kernels.get(e["name"], 0.0) + float(e.get("dur", 0)) / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     return {
+        **memory_peaks(events),
         "wall_s": round(wall_s, 4),
         "gpu_busy_s": round(busy, 4),
         "gpu_busy_fraction": round(busy / wall_s, 3) if wall_s else None,
         "host_syncs": {name: {"count": len(v), "ms": round(sum(v), 2)} for name, v in sorted(syncs.items())},
         "top_kernels_ms": {name[:90]: round(ms, 2) for name, ms in top},
     }
+
+
+def memory_peaks(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per device (``cpu``, ``cuda``), the allocator's largest "Total Allocated" during the profiled step
+    (all live tensors, what was allocated before the step included), and the innermost operator that
+    was running when it was reached: where a step's memory peaks, on the CPU as on a GPU."""
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    peaks: dict[str, tuple[float, float]] = {}
+    for e in events:
+        if e.get("name") != "[memory]" or "Total Allocated" not in e.get("args", {}):
+            continue
+        kind = "cuda" if int(e["args"].get("Device Type", 0)) == 1 else "cpu"
+        total = float(e["args"]["Total Allocated"])
+        if total > peaks.get(kind, (-1.0, 0.0))[0]:
+            peaks[kind] = (total, float(e["ts"]))
+    out: dict[str, Any] = {}
+    for kind, (total, ts) in sorted(peaks.items()):
+        around = [o for o in ops if float(o["ts"]) <= ts <= float(o["ts"]) + float(o.get("dur", 0))]
+        inner = min(around, key=lambda o: float(o.get("dur", 0)), default=None)
+        out[f"peak_{kind}_allocated_gib"] = round(total / 2**30, 3)
+        out[f"peak_{kind}_during"] = inner["name"] if inner else None
+    return out
 
 
 class StepProfile:
@@ -77,7 +100,7 @@ class StepProfile:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.gpu else [])
         self._sync()
-        self._profiler = profile(activities=activities, record_shapes=False, with_stack=False)
+        self._profiler = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=True)
         self._profiler.__enter__()
         self._start = time.perf_counter()
 

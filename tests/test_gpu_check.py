@@ -167,8 +167,14 @@ def test_profile_summary_counts_busy_time_once_and_the_host_syncs() -> None:
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 5, "dur": 3_000},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 9_000},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9_000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "ts": 50, "dur": 100},  # inside mm: the innermost
+        {"ph": "i", "name": "[memory]", "ts": 60, "args": {"Total Allocated": 3 * 2**30, "Device Type": 1}},
+        {"ph": "i", "name": "[memory]", "ts": 70, "args": {"Total Allocated": 2**30, "Device Type": 1}},
+        {"ph": "i", "name": "[memory]", "ts": 500, "args": {"Total Allocated": 2**29, "Device Type": 0}},
     ]
     summary = summarize_trace(events, wall_s=1.0)
+    assert summary["peak_cuda_allocated_gib"] == 3.0 and summary["peak_cuda_during"] == "aten::addmm"
+    assert summary["peak_cpu_allocated_gib"] == 0.5 and summary["peak_cpu_during"] == "aten::mm"
     assert summary["gpu_busy_s"] == pytest.approx(0.5) and summary["gpu_busy_fraction"] == pytest.approx(0.5)
     assert summary["host_syncs"] == {"cudaStreamSynchronize": {"count": 2, "ms": 5.0}}
     assert list(summary["top_kernels_ms"]) == ["gemm", "Memcpy DtoH"] and summary["top_kernels_ms"]["gemm"] == 500.0
