@@ -112,10 +112,11 @@ class NanGradientGPT(GPTModule):
         weight.register_hook(lambda g: g * float("nan") if self.nan_steps(self.trainer.global_step) and dist.get_rank() == 1 else g)
 
 
-def offload_nan_gradient() -> dict[str, Any]:
-    """ZeRO-2 CPU offload, fp32, no clipping: rank 1's gradient is NaN on steps 2 and 3. The check is the
-    flag the optimizer raised on the device as the slices went to the host -- the precision plugin
-    never looks at the host slices (counted) -- and the two steps are skipped on both ranks."""
+def offload_nan_gradient(precision_name: str = "32-true", **trainer_kwargs: Any) -> dict[str, Any]:
+    """ZeRO-2 CPU offload: rank 1's gradient is NaN on steps 2 and 3. Unless something changed the host
+    slices after they left the device (clipping by value, unscaling), the check is the flag the
+    optimizer raised on the device as they went -- the precision plugin never looks at the host
+    slices (counted) -- and the two steps are skipped on both ranks (under fp16, as overflows)."""
     import lightning_3d.plugins.precision as precision_module
 
     looked = []
@@ -123,10 +124,11 @@ def offload_nan_gradient() -> dict[str, Any]:
     precision_module.any_nonfinite = lambda tensors, device: looked.append(1) or plain(tensors, device)
     try:
         L.seed_everything(0)
-        precision = ThreeDPrecision("32-true")
+        fp16 = {"initial_scale": 4.0, "hysteresis": 1} if precision_name == "16-mixed" else {}
+        precision = ThreeDPrecision(precision_name, **fp16)
         strategy = ThreeDParallelStrategy(zero_stage=2, offload_optimizer="cpu", bucket_size_mb=0.05, health_check=False)
         model = NanGradientGPT(lambda step: step in (2, 3))
-        trainer = quiet_trainer(max_steps=6, limit_val_batches=0, strategy=strategy, plugins=[precision])
+        trainer = quiet_trainer(max_steps=6, limit_val_batches=0, strategy=strategy, plugins=[precision], **trainer_kwargs)
         trainer.fit(model, tiny_data(global_batch_size=8))
     finally:
         precision_module.any_nonfinite = plain
@@ -242,6 +244,8 @@ def world(directory: str) -> dict[str, Any]:
             "fp32_nan_without_clipping": fp32_nan_without_clipping,
             "fp32_transient_nan": fp32_transient_nan,
             "offload_nan_gradient": offload_nan_gradient,
+            "offload_nan_gradient_fp16": lambda: offload_nan_gradient("16-mixed"),
+            "offload_nan_gradient_clip_value": lambda: offload_nan_gradient(gradient_clip_val=1e-3, gradient_clip_algorithm="value"),
             "file_vocab_larger_than_model": lambda: _fit_data(wide),
             "ids_past_vocab_tp1": lambda: _fit_data(lying),
             "ids_past_vocab_tp2": lambda: _fit_data(lying, tp=2),
@@ -309,9 +313,13 @@ def test_transient_nan_steps_are_skipped_counted_and_training_continues(ranks):
 
 
 def test_offloaded_nan_gradients_are_caught_on_the_device_and_skipped(ranks):
-    for r in _errors(ranks, "offload_nan_gradient"):
-        assert r["skipped"] == 2 and r["global_step"] == 6 and r["finite"], r
+    for r in _errors(ranks, "offload_nan_gradient") + _errors(ranks, "offload_nan_gradient_fp16"):
+        assert r["skipped"] == 2 and r["finite"], r
         assert r["host_looks"] == 0, "the step looked at the host gradient slices instead of the device flag"
+    assert all(r["global_step"] == 6 for r in _errors(ranks, "offload_nan_gradient"))
+    # clipping by value changed the host slices (a clamped inf would be finite): they are looked at; NaN stays NaN
+    for r in _errors(ranks, "offload_nan_gradient_clip_value"):
+        assert r["skipped"] == 2 and r["global_step"] == 6 and r["finite"] and r["host_looks"] > 0, r
 
 
 def test_token_file_with_a_larger_vocabulary_is_refused_at_setup(ranks):

@@ -227,6 +227,8 @@ def collectives() -> dict[str, Any]:
             "max": float(s.reduce(torch.tensor(float(rank)), reduce_op="max")),
             "enum_sum": float(s.reduce(torch.tensor(2.0), reduce_op=torch.distributed.ReduceOp.SUM)),
             "default_op": float(s.reduce(torch.tensor(float(rank)))),
+            "none_op": float(s.reduce(torch.tensor(1.0), reduce_op=None)),  # Lightning documents None as a sum
+            "fp16_mean": float(s.reduce(torch.tensor(60000.0, dtype=torch.float16), reduce_op="mean")),  # the sum would be inf
         }
     finally:
         torch.distributed.barrier = plain_barrier
@@ -345,6 +347,7 @@ def test_collectives_default_to_the_data_parallel_group(dp2):
     assert c0["int_mean"] == c1["int_mean"] == 2  # (2 + 3) / 2 in the tensor's own dtype, as Lightning's
     assert c0["max"] == c1["max"] == 1.0 and c0["enum_sum"] == c1["enum_sum"] == 4.0
     assert c0["default_op"] == c1["default_op"] == 0.5  # Lightning's default: the mean
+    assert c0["none_op"] == c1["none_op"] == 2.0 and c0["fp16_mean"] == c1["fp16_mean"] == 60000.0
     assert c0["barriers_in_reduce"] == c1["barriers_in_reduce"] == 0
     assert c0["gathered"] == c1["gathered"] == [[0, 10], [1, 11]]
     assert c0["broadcast"] == c1["broadcast"] == {"from": 0}

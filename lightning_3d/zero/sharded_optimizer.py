@@ -248,6 +248,8 @@ class ShardedGradients(BucketedBackward[_Bucket]):
             # checked here, on the device and in the backward's shadow, so the step need not read host memory
             seen = any_nonfinite([reduced], reduced.device)
             self.nonfinite_seen = seen if self.nonfinite_seen is None else torch.maximum(self.nonfinite_seen, seen)
+            if self.host_dtype != reduced.dtype:  # a narrower host copy (bf16/fp16 masters) can overflow where this did not
+                self.nonfinite_known = False
             bucket.grad_shard = bucket.host_grad_buffer(self.host_dtype).copy_(reduced, non_blocking=True)
             if reduced.is_cuda:
                 self._host_copies = torch.cuda.Event()
