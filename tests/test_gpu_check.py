@@ -149,9 +149,9 @@ def test_profile_dir_profiles_one_extra_step_per_case_outside_the_timings(tmp_pa
         assert c["profile"]["wall_s"] > 0 and "host_syncs" in c["profile"], c
         assert (tmp_path / f"{c['case']}.txt").read_text().startswith(f"{c['case']}: one profiled step")
         assert (tmp_path / f"{c['case']}.json.gz").stat().st_size > 0
-    plain_rc, plain, plain_output = _run("--in-process", "--cases", "zero1")
+    plain_rc, plain, plain_output = _run("--in-process", "--cases", "zero0")
     assert plain_rc == 0, plain_output
-    assert plain[1]["losses"] == cases[1]["losses"]  # profiling changed nothing recorded
+    assert plain[0]["losses"] == cases[0]["losses"]  # profiling changed nothing recorded
 
 
 def test_profile_summary_counts_busy_time_once_and_the_host_syncs() -> None:
