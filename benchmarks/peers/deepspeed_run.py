@@ -4,8 +4,9 @@
 
 DeepSpeed runs on its CPU accelerator; its training collectives go through torch's gloo group, as
 ours do (it JIT-builds a shared-memory op it uses only for inference, and ``cpu_adam`` for
-``--offload``). fp32, no gradient clipping, the client AdamW (DeepSpeed's ``DeepSpeedCPUAdam`` in
-AdamW mode with ``--offload``, as ZeRO-Offload requires), our schedule. ZeRO-3 shards every
+``--offload``). fp32, no gradient clipping, the client AdamW on torch's fused kernel as our ZeRO runs
+it (DeepSpeed's ``DeepSpeedCPUAdam`` in AdamW mode with ``--offload``, as ZeRO-Offload requires), our
+schedule. ZeRO-3 shards every
 parameter (``stage3_param_persistence_threshold: 0``), as ours does.
 """
 
@@ -31,6 +32,11 @@ def train(model_dims: dict, stage: int, offload: bool, steps: int, global_batch:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**model_dims))
     optimizer, schedule = bench_optimizer(model, WARMUP + steps)
+    # the AdamW kernel our ZeRO steps the same recipe with (torch's fused one where the user left the choice
+    # to torch): the same kernel on the same flat shards, so the losses can be compared bit for bit
+    from lightning_3d.zero.optimizer_kinds import prefer_fused_adam
+
+    prefer_fused_adam(optimizer)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
