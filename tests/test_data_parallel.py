@@ -245,6 +245,39 @@ def collectives() -> dict[str, Any]:
     }
 
 
+def lightning_sigterm_flag(tmp: str) -> dict[str, Any]:
+    """Lightning's per-step broadcast of rank 0's SIGTERM flag is off while ours agrees (counted: 0
+    calls in 3 steps), and Lightning's own loop has it back after the fit. A flag Lightning's handler
+    set on rank 1 alone before training (a signal during set-up) is taken over by ours: both ranks
+    stop together with a checkpoint, where Lightning would raise on rank 1 alone and leave rank 0 in
+    its next collective."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from lightning_3d.resilience.preemption import TrainingInterrupted
+
+    calls = []
+    plain = _TrainingEpochLoop._broadcast_sigterm_tensor
+    _TrainingEpochLoop._broadcast_sigterm_tensor = lambda self: calls.append(1) or plain(self)
+    try:
+        trainer = quiet_trainer(max_steps=3)
+        trainer.fit(BoringModel())
+        restored = "_broadcast_sigterm_tensor" not in trainer.fit_loop.epoch_loop.__dict__
+
+        class SignalDuringSetUp(L.Callback):
+            def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+                trainer._signal_connector.received_sigterm = torch.distributed.get_rank() == 1  # (what its handler sets)
+
+        stopped = None
+        late = quiet_trainer(max_steps=8, default_root_dir=f"{tmp}/sigterm", callbacks=[SignalDuringSetUp()])
+        try:
+            late.fit(BoringModel())
+        except TrainingInterrupted as err:
+            stopped = (err.step, Path(err.path).exists())
+    finally:
+        _TrainingEpochLoop._broadcast_sigterm_tensor = plain
+    return {"lightning_broadcasts": len(calls), "restored": restored, "stopped": stopped}
+
+
 def two_rank_world(tmp: str) -> dict[str, Any]:
     return run_checks(
         {
@@ -256,6 +289,7 @@ def two_rank_world(tmp: str) -> dict[str, Any]:
             "resume_epoch": lambda: resume(tmp, mid_epoch=False),
             "resume_mid_epoch": lambda: resume(tmp, mid_epoch=True),
             "collectives": collectives,
+            "sigterm_flag": lambda: lightning_sigterm_flag(tmp),
         }
     )
 
@@ -338,6 +372,13 @@ def test_resume_continues_with_the_same_losses(dp2, name):
         assert len(run["full"]) == 8 and run["global_step"] == 8
         np.testing.assert_allclose(run["resumed"], run["full"][4:], rtol=1e-6)
         assert not np.isclose(run["resumed"][0], run["full"][0])  # weights really came from the checkpoint
+
+
+def test_lightnings_per_step_sigterm_broadcast_gives_way_to_ours(dp2):
+    r0, r1 = (result_of(r, "sigterm_flag") for r in dp2)
+    assert r0["lightning_broadcasts"] == r1["lightning_broadcasts"] == 0 and r0["restored"] and r1["restored"]
+    assert r0["stopped"] == r1["stopped"] and r0["stopped"][1], (r0, r1)  # the same step, the checkpoint written
+    assert r0["stopped"][0] <= 2
 
 
 def test_collectives_default_to_the_data_parallel_group(dp2):

@@ -8,7 +8,10 @@ rank at once, could leave ranks waiting on each other (2 runs of 3 hung in the i
 
 Here the handler only records the signal. At every optimizer step the ranks agree on "did any rank
 get one" with one MAX all-reduce of a single integer, issued asynchronously and read at the next
-step (no wait on the device in the step). Once it says yes, every rank saves a checkpoint together
+step (no wait on the device in the step; on a GPU through a pinned copy and an event recorded after
+it, so the read waits for that point only and never drains the next step's queue). Lightning's
+own per-step broadcast of rank 0's SIGTERM flag is switched off meanwhile (while this handler holds
+SIGTERM that flag stays unset). Once the ranks agree on yes, every rank saves a checkpoint together
 (``last-interrupted-stepNNNNNN.ckpt`` in the ModelCheckpoint's directory, or ``<default_root_dir>/
 checkpoints``) and raises :class:`TrainingInterrupted`, which names the checkpoint to resume from.
 The checkpoint is written within two optimizer steps of the signal plus one save; a grace period
@@ -112,11 +115,12 @@ class PreemptionHandler(Callback):
     def __init__(self) -> None:
         self.received: Optional[int] = None
         self._requeue_signal: Optional[int] = None
-        self._pending: Optional[tuple[Any, torch.Tensor]] = None
+        self._pending: Optional[tuple[Any, torch.Tensor, Any]] = None  # (work, flag or its host copy, CUDA event)
         self._last_step = -1
         self._previous: Any = None
         self._chained: list[Any] = []
         self._device = torch.device("cpu")
+        self._epoch_loop: Any = None  # whose per-step SIGTERM broadcast is switched off while ours runs
 
     def bind(self, device: torch.device) -> None:
         self._device = device
@@ -131,6 +135,7 @@ class PreemptionHandler(Callback):
         # after Lightning registered its own handlers (Trainer._run): they are replaced for SIGTERM while
         # training (Lightning's broadcasts inside the handler); the user's handlers it composed still run
         self.received, self._pending, self._last_step = None, None, -1  # (a new fit starts clean)
+        self._quiet_lightnings_broadcast(trainer)
         slurm = slurm_requeue(trainer)
         self._requeue_signal = slurm.requeue_signal if slurm is not None else None
         if threading.current_thread() is threading.main_thread():
@@ -147,15 +152,51 @@ class PreemptionHandler(Callback):
         if step == self._last_step:  # accumulating: no optimizer step yet
             return
         self._last_step = step
-        if self._pending is not None:
-            work, flag = self._pending
-            self._pending = None
-            work.wait()
-            if int(flag.item()):
-                self._stop(trainer, requeue_job=int(flag.item()) == 2)
+        if self._pending is not None:  # (read at a fixed step, the same on every rank: they stop together)
+            agreed = self._read_pending()
+            if agreed:
+                self._stop(trainer, requeue_job=agreed == 2)
         code = 0 if self.received is None else 2 if self.received == self._requeue_signal else 1
         flag = torch.tensor([code], dtype=torch.int32, device=self._device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        if flag.is_cuda:  # read back without draining the device's queue: a pinned copy and an event, queried
+            work.wait()  # (NCCL: the stream waits for the all-reduce; the host does not)
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+            self._pending = (None, host, landed)
+        else:
+            self._pending = (work, flag, None)
+
+    def _read_pending(self) -> int:
+        """The agreed flag of the last step's all-reduce. On a GPU the wait is for the event recorded
+        right after its copy, a step ago: the device passed it long since, and the step queued after it
+        keeps running (``flag.item()`` on the device tensor waited for that whole queue, so the GPU
+        idled while the host launched the next step's first kernels)."""
+        work, flag, landed = self._pending  # type: ignore[misc]
+        if landed is not None:
+            landed.synchronize()  # (the rule before a host read of a non_blocking copy)
+        else:
+            work.wait()
+        self._pending = None
+        return int(flag.item())
+
+    def _quiet_lightnings_broadcast(self, trainer: Any) -> None:
+        """Lightning's training loop broadcasts rank 0's ``received_sigterm`` at every step of a
+        multi-rank run and reads it on the host (a world-wide collective and a host sync per step).
+        While this handler holds SIGTERM, that flag is never set, so the broadcast only costs: it is
+        switched off for the fit (ours agrees instead). A signal Lightning's handler recorded before
+        training started is taken over, so the ranks still stop together."""
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None or not callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
+            return
+        connector = getattr(trainer, "_signal_connector", None)  # (where Trainer.received_sigterm reads from)
+        if getattr(connector, "received_sigterm", False):
+            self.received = signal.SIGTERM
+            connector.received_sigterm = False  # (Lightning would raise on this rank alone)
+        loop._broadcast_sigterm_tensor = lambda: None
+        self._epoch_loop = loop
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish()
@@ -165,8 +206,11 @@ class PreemptionHandler(Callback):
 
     def _finish(self, wait: bool = True) -> None:
         if self._pending is not None and wait:
-            self._pending[0].wait()
+            self._read_pending()
         self._pending = None
+        if self._epoch_loop is not None:
+            self._epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)  # Lightning's own again
+            self._epoch_loop = None
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             for signum, previous in self._previous.items():
                 signal.signal(signum, previous)
