@@ -273,6 +273,7 @@ def lightning_sigterm_flag(tmp: str) -> dict[str, Any]:
             late.fit(BoringModel())
         except TrainingInterrupted as err:
             stopped = (err.step, Path(err.path).exists())
+        restored = restored and "_broadcast_sigterm_tensor" not in late.fit_loop.epoch_loop.__dict__  # (after an exception too)
     finally:
         _TrainingEpochLoop._broadcast_sigterm_tensor = plain
     return {"lightning_broadcasts": len(calls), "restored": restored, "stopped": stopped}

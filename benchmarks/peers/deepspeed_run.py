@@ -36,7 +36,8 @@ def train(model_dims: dict, stage: int, offload: bool, steps: int, global_batch:
     # to torch): the same kernel on the same flat shards, so the losses can be compared bit for bit
     from lightning_3d.zero.optimizer_kinds import prefer_fused_adam
 
-    prefer_fused_adam(optimizer)
+    if not offload:  # (offload steps DeepSpeedCPUAdam, its own kernel)
+        prefer_fused_adam(optimizer)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

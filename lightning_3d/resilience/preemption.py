@@ -49,6 +49,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 log = logging.getLogger(__name__)
 
 EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+_NOTHING = object()
 
 
 class TrainingInterrupted(RuntimeError):
@@ -115,12 +116,14 @@ class PreemptionHandler(Callback):
     def __init__(self) -> None:
         self.received: Optional[int] = None
         self._requeue_signal: Optional[int] = None
-        self._pending: Optional[tuple[Any, torch.Tensor, Any]] = None  # (work, flag or its host copy, CUDA event)
+        self._pending: Optional[tuple[Any, torch.Tensor, Any]] = None  # (work or device flag, flag or its host copy, CUDA event)
         self._last_step = -1
         self._previous: Any = None
         self._chained: list[Any] = []
         self._device = torch.device("cpu")
         self._epoch_loop: Any = None  # whose per-step SIGTERM broadcast is switched off while ours runs
+        self._replaced: Any = _NOTHING
+        self._side: Any = None  # (a CUDA stream: where the agreed flag is read back)
 
     def bind(self, device: torch.device) -> None:
         self._device = device
@@ -135,7 +138,6 @@ class PreemptionHandler(Callback):
         # after Lightning registered its own handlers (Trainer._run): they are replaced for SIGTERM while
         # training (Lightning's broadcasts inside the handler); the user's handlers it composed still run
         self.received, self._pending, self._last_step = None, None, -1  # (a new fit starts clean)
-        self._quiet_lightnings_broadcast(trainer)
         slurm = slurm_requeue(trainer)
         self._requeue_signal = slurm.requeue_signal if slurm is not None else None
         if threading.current_thread() is threading.main_thread():
@@ -146,8 +148,10 @@ class PreemptionHandler(Callback):
                 self._previous[self._requeue_signal] = signal.signal(self._requeue_signal, self._note)
             else:
                 self._requeue_signal = None
+        self._quiet_lightnings_broadcast(trainer)  # (after ours holds SIGTERM: no signal can reach Lightning's in between)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._take_over_lightnings_flag(trainer)  # every batch: Lightning checks it at the end of each
         step = trainer.global_step
         if step == self._last_step:  # accumulating: no optimizer step yet
             return
@@ -157,44 +161,60 @@ class PreemptionHandler(Callback):
             if agreed:
                 self._stop(trainer, requeue_job=agreed == 2)
         code = 0 if self.received is None else 2 if self.received == self._requeue_signal else 1
-        flag = torch.tensor([code], dtype=torch.int32, device=self._device)
+        # (torch.full: a fill on the device; torch.tensor([code], device=cuda) copies from pageable memory and
+        # synchronizes the stream, which would wait for the whole step's queue)
+        flag = torch.full((1,), code, dtype=torch.int32, device=self._device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-        if flag.is_cuda:  # read back without draining the device's queue: a pinned copy and an event, queried
-            work.wait()  # (NCCL: the stream waits for the all-reduce; the host does not)
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record()
-            self._pending = (None, host, landed)
+        if flag.is_cuda:
+            # read back through a side stream: it waits for the all-reduce (the compute stream does not, so the
+            # next step's kernels do not queue behind a collective across the world), copies into pinned memory
+            # and records an event, which the next step's read waits for
+            if self._side is None:
+                self._side = torch.cuda.Stream(device=flag.device)
+            self._side.wait_stream(torch.cuda.current_stream(flag.device))
+            with torch.cuda.stream(self._side):
+                work.wait()
+                host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+                host.copy_(flag, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(self._side)
+            self._pending = (flag, host, landed)  # (flag held until read: the side stream still uses it)
         else:
             self._pending = (work, flag, None)
 
     def _read_pending(self) -> int:
         """The agreed flag of the last step's all-reduce. On a GPU the wait is for the event recorded
-        right after its copy, a step ago: the device passed it long since, and the step queued after it
-        keeps running (``flag.item()`` on the device tensor waited for that whole queue, so the GPU
-        idled while the host launched the next step's first kernels)."""
-        work, flag, landed = self._pending  # type: ignore[misc]
+        after its copy on the side stream, a step ago: the device passed it long since, and the step
+        queued since keeps running (``flag.item()`` on the device tensor waited for that whole queue,
+        so the GPU idled while the host launched the next step's first kernels)."""
+        first, value, landed = self._pending  # type: ignore[misc]
         if landed is not None:
             landed.synchronize()  # (the rule before a host read of a non_blocking copy)
         else:
-            work.wait()
+            first.wait()
         self._pending = None
-        return int(flag.item())
+        return int(value.item())
+
+    def _take_over_lightnings_flag(self, trainer: Any) -> None:
+        """A SIGTERM Lightning's own handler recorded (before ours held the signal, or in a thread where
+        ours is not installed) becomes ours, agreed at the step; Lightning would act on it on this rank
+        alone (raise at the end of the batch, its per-step broadcast being off)."""
+        connector = getattr(trainer, "_signal_connector", None)  # (where Trainer.received_sigterm reads from)
+        if getattr(connector, "received_sigterm", False):
+            if self.received is None:
+                self.received = signal.SIGTERM
+            connector.received_sigterm = False
 
     def _quiet_lightnings_broadcast(self, trainer: Any) -> None:
         """Lightning's training loop broadcasts rank 0's ``received_sigterm`` at every step of a
         multi-rank run and reads it on the host (a world-wide collective and a host sync per step).
-        While this handler holds SIGTERM, that flag is never set, so the broadcast only costs: it is
-        switched off for the fit (ours agrees instead). A signal Lightning's handler recorded before
-        training started is taken over, so the ranks still stop together."""
+        While this handler holds SIGTERM, that flag is never set (and one set anyway is taken over at
+        each batch), so the broadcast only costs: it is switched off for the fit; ours agrees instead."""
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         if loop is None or not callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
             return
-        connector = getattr(trainer, "_signal_connector", None)  # (where Trainer.received_sigterm reads from)
-        if getattr(connector, "received_sigterm", False):
-            self.received = signal.SIGTERM
-            connector.received_sigterm = False  # (Lightning would raise on this rank alone)
+        self._take_over_lightnings_flag(trainer)
+        self._replaced = loop.__dict__.get("_broadcast_sigterm_tensor", _NOTHING)  # (someone else's patch, kept)
         loop._broadcast_sigterm_tensor = lambda: None
         self._epoch_loop = loop
 
@@ -208,8 +228,11 @@ class PreemptionHandler(Callback):
         if self._pending is not None and wait:
             self._read_pending()
         self._pending = None
-        if self._epoch_loop is not None:
-            self._epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)  # Lightning's own again
+        if self._epoch_loop is not None:  # Lightning's own again (or what was on the instance before us)
+            if self._replaced is _NOTHING:
+                self._epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            else:
+                self._epoch_loop._broadcast_sigterm_tensor = self._replaced
             self._epoch_loop = None
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             for signum, previous in self._previous.items():
