@@ -461,6 +461,8 @@ class ZeroOptimizer:
         flags = [float(u) for b in self.buckets for u in b.used]
         if not flags:
             return []
+        if self.dp_size == 1 and not self.buckets[0].param_buf.is_meta:  # nobody to ask: no trip to the device
+            return [list(b.used) for b in self.buckets]  # and back (a host sync per step on a GPU)
         device = self.buckets[0].param_buf.device
         votes = torch.tensor(flags, device=device)
         if self.dp_size > 1:
