@@ -178,3 +178,15 @@ def test_profile_summary_counts_busy_time_once_and_the_host_syncs() -> None:
     assert summary["gpu_busy_s"] == pytest.approx(0.5) and summary["gpu_busy_fraction"] == pytest.approx(0.5)
     assert summary["host_syncs"] == {"cudaStreamSynchronize": {"count": 2, "ms": 5.0}}
     assert list(summary["top_kernels_ms"]) == ["gemm", "Memcpy DtoH"] and summary["top_kernels_ms"]["gemm"] == 500.0
+
+
+def test_the_planner_predicts_the_measured_fsdp2_peak_on_the_h200() -> None:
+    """A measured anchor: the plain FSDP2 loop's peak on the H200 (second session, docs/gpu_runs/
+    2026-12-04_h200_session2.jsonl: 49.691 GiB) against the planner's ZeRO-3 prediction for the same
+    model, batch and device. Without the fp32 loss's backward buffers the planner said 45.4."""
+    from lightning_3d.models import GPTConfig
+
+    run = gpu_check.GPU_RUN
+    config = GPTConfig(vocab_size=run["vocab"], block_size=run["seq"], n_layer=run["layers"], n_head=run["heads"], n_embd=run["width"])
+    predicted = gpu_check.predict(gpu_check.CASE_BY_NAME["fsdp2_zero3"], config, run["batch"], "NVIDIA H200", str(ROOT))
+    assert predicted["allocated_gib"] == pytest.approx(49.691, rel=0.02)

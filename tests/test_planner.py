@@ -821,3 +821,14 @@ def test_tensor_parallel_collectives_carry_the_activation_precisions_bytes() -> 
         for precision in ("bf16-mixed", "32-true")
     }
     assert times["32-true"] == pytest.approx(2 * times["bf16-mixed"], rel=0.1)
+
+
+def test_the_fp32_loss_backward_is_counted_with_the_buffers_of_the_head_stage():
+    """The loss runs in fp32 whatever the parameters' precision: 3 fp32 logits-sized tensors at its
+    backward, of which activation_bytes already keeps 2 x c bytes per element."""
+    from lightning_3d.planner.memory import ActivationOptions, loss_transient_bytes
+
+    shape = ModelShape(n_layer=2, hidden=64, n_head=4, n_kv_head=4, ffn=256, vocab=1000, seq_len=128)
+    elements = 128 * 2 * 1000 / 4  # tokens of a micro-batch of 2, the vocabulary split over tp = 4
+    assert loss_transient_bytes(shape, 2, ActivationOptions(tp=4, bytes_per_element=2.0)) == pytest.approx(8.0 * elements)
+    assert loss_transient_bytes(shape, 2, ActivationOptions(tp=4, bytes_per_element=4.0)) == pytest.approx(4.0 * elements)

@@ -37,6 +37,7 @@ from lightning_3d.planner.memory import (
     activation_bytes,
     activations_in_flight,
     last_stage_in_flight,
+    loss_transient_bytes,
     stage_in_flight,
     zero_model_state_bytes,
 )
@@ -715,6 +716,8 @@ class Planner:
             buffers += 2 * c * mb * local_seq * model.hidden / (t if layout.sequence_parallel else 1)
         if cp > 1:
             buffers += self._cp_buffer_bytes(layout)
+        if has_head:  # the fp32 loss's backward, beyond what the activations keep for it
+            buffers += loss_transient_bytes(model, mb, act_opts)
         memory = {
             **states,
             "activations": activations["stored"],
