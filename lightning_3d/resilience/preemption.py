@@ -124,6 +124,7 @@ class PreemptionHandler(Callback):
         self._epoch_loop: Any = None  # whose per-step SIGTERM broadcast is switched off while ours runs
         self._replaced: Any = _NOTHING
         self._side: Any = None  # (a CUDA stream: where the agreed flag is read back)
+        self._host_flag: Optional[torch.Tensor] = None  # (pinned host memory it lands in, reused: read before rewritten)
 
     def bind(self, device: torch.device) -> None:
         self._device = device
@@ -171,10 +172,11 @@ class PreemptionHandler(Callback):
             # and records an event, which the next step's read waits for
             if self._side is None:
                 self._side = torch.cuda.Stream(device=flag.device)
+                self._host_flag = torch.empty(1, dtype=torch.int32, device="cpu", pin_memory=True)
+            host = self._host_flag
             self._side.wait_stream(torch.cuda.current_stream(flag.device))
             with torch.cuda.stream(self._side):
                 work.wait()
-                host = torch.empty(1, dtype=torch.int32, pin_memory=True)
                 host.copy_(flag, non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(self._side)
