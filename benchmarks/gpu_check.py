@@ -55,6 +55,7 @@ class Case:
     recompute: str = "none"
     offload: str = "none"  # optimizer offload for stages 1-2, parameter offload (FSDP2) for stage 3
     proves: str = ""
+    compile: bool = False  # torch.compile of each block (inductor), as ThreeDParallelStrategy(compile=True)
     peer: str = ""  # another stack's run of the layout (benchmarks/gpu_peers.py): "deepspeed" or "fsdp2"
 
     @property
@@ -76,6 +77,8 @@ CASES = [
     Case("zero1_offload_nvme", 1, offload="nvme", proves="ZeRO-Infinity-style: masters and moments streamed from a file"),
     Case("zero1_recompute_full", 1, recompute="full", proves="full activation recompute (non-reentrant checkpoint) on CUDA"),
     Case("zero1_recompute_selective", 1, recompute="selective", proves="selective recompute of the attention core"),
+    Case("zero1_compile", 1, compile=True, proves="regional torch.compile (inductor) of each block, against zero1"),
+    Case("zero3_compile", 3, compile=True, proves="regional torch.compile under FSDP2 (torchtitan's recipe), against zero3 and fsdp2_zero3"),
     # the peers: the same model, data, seed and AdamW on the stacks users would pick instead
     Case("deepspeed_zero1", 1, peer="deepspeed", proves="DeepSpeed ZeRO-1 (bf16 mode, torch AdamW) vs ours"),
     Case("deepspeed_zero2", 2, peer="deepspeed", proves="DeepSpeed ZeRO-2 vs ours"),
@@ -226,6 +229,8 @@ def case_layout(case: Case, batch: int) -> Any:
 def strategy_keywords(case: Case, batch: int, nvme_path: Optional[str]) -> dict[str, Any]:
     """The strategy's keywords for the case: the planner's own mapping of a layout to them."""
     kwargs = case_layout(case, batch).strategy_kwargs(global_batch=batch)
+    if case.compile:
+        kwargs["compile"] = True
     if case.offload == "nvme":
         kwargs["nvme_path"] = nvme_path
     return kwargs
@@ -298,7 +303,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         device_name = torch.cuda.get_device_name(0) if gpu else None
         result["device"] = device_name or "cpu"
         kwargs = strategy_keywords(case, args.batch, nvme_path)
-        shown = ("zero_stage", "activation_checkpointing", "offload_optimizer", "offload_params")
+        shown = ("zero_stage", "activation_checkpointing", "offload_optimizer", "offload_params", "compile")
         result["strategy"] = {k: v for k, v in kwargs.items() if k in shown and v is not None}
         try:  # a prediction that fails (a planner bug, omegaconf missing) must not cost the measurement
             result["predicted"] = predict(case, config, args.batch, device_name, nvme_root)

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_3d import ThreeDParallelStrategy
+from lightning_3d.core.layout_rules import ZERO_BUBBLE
 from lightning_3d.data import stdlib_bytes
 from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.models.gpt import IGNORE_INDEX
@@ -59,7 +60,11 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "optimizers": ("one", "two"),
     "resume": ("no", "other-layout"),
     "experts": ("none", "moe"),  # a dense GPT, or MoE blocks (lightning_3d.moe) in every other block
+    "compile": ("off", "blocks"),  # torch.compile of each block (COMPILE_BACKEND: aot_eager unless the environment says)
 }
+# aot_eager: Dynamo's capture and AOTAutograd's graphs, around our eager collectives, without inductor's C++
+# build per graph (seconds per cell); MATRIX_COMPILE_BACKEND=inductor runs the matrix on the code users get.
+COMPILE_BACKEND = os.environ.get("MATRIX_COMPILE_BACKEND", "aot_eager")
 CORE = ("layout", "zero", "precision", "accumulate")  # crossed in full by make test-matrix
 
 # (dp, tp, pp, cp) and pipeline / context-parallel settings; each layout's world size is dp * tp * pp * cp.
@@ -138,6 +143,7 @@ class Cell:
     optimizers: str = "one"
     resume: str = "no"
     experts: str = "none"
+    compile: str = "off"
     forwards: int = 1  # not a matrix factor: model calls per training step (tests of the pipeline)
 
     @property
@@ -169,6 +175,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[dict[str, Any]], bool], str]] = [
     # at set-up, when the optimizers exist: the matrix's second optimizer is SGD
     (("offload", "optimizers"), lambda c: c["offload"] == "nvme" and c["optimizers"] == "two", r"offload_optimizer='nvme' streams Adam/AdamW state; SGD is not supported there"),
     (("layout", "experts"), lambda c: LAYOUTS[c["layout"]].get("expert_parallel", 1) > 1 and c["experts"] == "none", r"splits the experts of mixture-of-experts layers, but the model has none"),
+    (("layout", "compile"), lambda c: c["compile"] != "off" and LAYOUTS[c["layout"]].get("pipeline_schedule") in ZERO_BUBBLE, r"compile with pipeline_schedule='(zb_h1|zb_v|dualpipe_v)' is not supported"),
 ]
 
 
@@ -354,6 +361,7 @@ def _strategy(cell: Cell, layout: str, tmp: Path) -> ThreeDParallelStrategy:
     kwargs.update(
         zero_stage=cell.zero, bucket_size_mb=0.02, activation_checkpointing=None if cell.recompute == "none" else cell.recompute,
         offload_optimizer=None if cell.offload == "none" else cell.offload, sequence_parallel=cell.sequence_parallel, timeout=300,
+        compile=False if cell.compile == "off" else {"backend": COMPILE_BACKEND},
     )
     if cell.offload == "nvme":
         path = tmp / "nvme"

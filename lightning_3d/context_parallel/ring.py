@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_3d.core.eager import communicates
 from lightning_3d.context_parallel.layout import chunks_of
 
 # (q, k, v, causal, scale) -> (out fp32, lse fp32 of shape q.shape[:-1])
@@ -297,6 +298,7 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]} (grouped-query attention).")
 
 
+@communicates
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None, *, kernels: Optional[Kernels] = None
 ) -> Tensor:

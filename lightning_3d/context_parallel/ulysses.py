@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_3d.core.eager import communicates
 from lightning_3d.context_parallel.layout import chunk_order, chunks_of
 from lightning_3d.context_parallel.ring import check_shapes
 
@@ -106,6 +107,7 @@ def windowed_causal_attention(
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
+@communicates
 def all_to_all_attention(
     q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None, *,
     window: Optional[int] = None, softcap: Optional[float] = None,

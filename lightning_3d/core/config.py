@@ -1,4 +1,4 @@
-"""The strategy's configuration: one frozen record of six groups, validated once.
+"""The strategy's configuration: one frozen record of eight groups, validated once.
 
 ``ThreeDParallelStrategy``'s keywords are the public surface; :class:`ParallelConfig` takes exactly
 those keywords (the one place they are mapped onto the groups, :data:`KEYWORDS`) and everything else
@@ -10,6 +10,8 @@ those keywords (the one place they are mapped onto the groups, :data:`KEYWORDS`)
 * ``recompute``  activation checkpointing
 * ``checkpoint`` checkpoint format, asynchronous writes, retention
 * ``runtime``    collective timeout, health check, replica check, backend, how ranks start
+* ``data``       samples per optimizer step, what an elastic restart may change
+* ``compile``    ``torch.compile`` of each transformer block (regional)
 
 Validation lives here, not in the strategy, so that recipes, the CLI and the planner can check a
 layout before any process is spawned. Every error names the offending value and the fix.
@@ -30,6 +32,7 @@ from lightning_3d.core.layout_rules import (
     CONTEXT_PARALLEL_MODES,
     SCHEDULES,
     V_SHAPED,
+    ZERO_BUBBLE,
     ModelLike,
     Refusal,
     batch_refusals,
@@ -300,9 +303,76 @@ class DataOptions:
         _set(self, elastic=_elastic_policy(self.elastic))
 
 
+COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _compile_keywords(value: Any) -> Optional[dict[str, Any]]:
+    """``compile=``: ``False``/``None`` (off), ``True`` (inductor), a backend name, or a dict of
+    ``torch.compile`` keywords; held as that dict (or None)."""
+    if value is None or value is False or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    if value is True:
+        return {"backend": "inductor"}
+    if isinstance(value, str):
+        return {"backend": value}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(COMPILE_KEYS))
+        if unknown:
+            raise ValueError(f"compile={dict(value)!r}: {unknown} are not torch.compile keywords used per block; give {list(COMPILE_KEYS)}.")
+        out = {"backend": "inductor", **dict(value)}
+        if not (isinstance(out["backend"], str) or callable(out["backend"])):
+            raise ValueError(f"compile backend={out['backend']!r} is invalid: give a backend name ('inductor', 'aot_eager') or a callable.")
+        if out.get("mode") in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"compile mode={out['mode']!r} records CUDA graphs, which need every input at a fixed address; ZeRO re-gathers "
+                f"parameters and the pipeline receives activations into fresh buffers. Use mode='max-autotune-no-cudagraphs' "
+                f"or mode='default'."
+            )
+        return out
+    raise ValueError(f"compile={value!r} is invalid: give True, a backend name, a dict of torch.compile keywords, or False.")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """``torch.compile`` of each transformer block after the layout is applied (regional, as torchtitan
+    does): the blocks of one model share one compiled graph; our communication stays outside it
+    (:mod:`lightning_3d.core.eager`)."""
+
+    blocks: Any = None  # None/False: off; True: inductor; a backend name; a dict of torch.compile keywords
+
+    def __post_init__(self) -> None:
+        _set(self, blocks=_compile_keywords(self.blocks))
+
+    @property
+    def enabled(self) -> bool:
+        return self.blocks is not None
+
+    def refusals(self, layout: LayoutOptions, pipeline: PipelineOptions) -> list[Refusal]:
+        """What compiled blocks cannot do in this layout (none when compilation is off)."""
+        if self.blocks is None:
+            return []
+        out = []
+        if layout.pipeline_parallel > 1 and pipeline.schedule in ZERO_BUBBLE:
+            out.append(Refusal("compile_zero_bubble", (
+                f"compile with pipeline_schedule={pipeline.schedule!r} is not supported: the zero-bubble schedules split each "
+                f"linear layer's backward into its input and weight halves at run time, and a compiled block's backward is "
+                f"one graph; use pipeline_schedule='1f1b' or 'interleaved_1f1b' with compile, or compile=False."
+            ), unsupported=True))
+        talking = {n: d for n, d in (("tensor_parallel", layout.tensor_parallel), ("context_parallel", layout.context_parallel),
+                                     ("expert_parallel", layout.expert_parallel)) if d > 1}
+        if self.blocks.get("fullgraph") and talking:
+            out.append(Refusal("compile_fullgraph", (
+                f"compile fullgraph=True with {', '.join(f'{n}={d}' for n, d in talking.items())}: the blocks' collectives run "
+                f"between compiled graphs (each is a graph break), so a block cannot be one graph; use fullgraph=False."
+            )))
+        return out
+
+
 GROUPS: dict[str, type] = {
     "layout": LayoutOptions, "sharding": ShardingOptions, "pipeline": PipelineOptions,
     "recompute": RecomputeOptions, "checkpoint": CheckpointOptions, "runtime": RuntimeOptions, "data": DataOptions,
+    "compile": CompileOptions,
 }
 # The strategy's keyword -> (group, field): the one place the public names meet the groups.
 KEYWORDS: dict[str, tuple[str, str]] = {
@@ -320,6 +390,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     **{f.name: ("runtime", f.name) for f in fields(RuntimeOptions)},
     "global_batch_size": ("data", "global_batch_size"),
     "elastic": ("data", "elastic"),
+    "compile": ("compile", "blocks"),
 }
 
 
@@ -337,6 +408,7 @@ class ParallelConfig:
     checkpoint: CheckpointOptions
     runtime: RuntimeOptions
     data: DataOptions
+    compile: CompileOptions
 
     def __init__(self, **keywords: Any) -> None:
         unknown = sorted(set(keywords) - set(KEYWORDS))
@@ -412,7 +484,7 @@ class ParallelConfig:
             micro_batches=pipeline.micro_batches, offload_optimizer=sharding.offload_optimizer,
             offload_params=sharding.offload_params, model=model, tensor_parallel_plan=tensor_parallel_plan,
             world_size=world_size, processes_per_node=processes_per_node, per_replica_batch=per_replica_batch,
-        )
+        ) + self.compile.refusals(layout, pipeline)
 
     def _model_refusals(self, model: ModelLike, tensor_parallel_plan: bool) -> list[Refusal]:
         layout = self.layout

@@ -26,6 +26,7 @@ from lightning_3d.core.dims import ParallelDims
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v")  # docs/pipeline.md
 INTERLEAVED = "interleaved_1f1b"
 V_SHAPED = ("zb_v", "dualpipe_v")  # two chunks per rank in a V (lightning_3d.pipeline.schedules)
+ZERO_BUBBLE = ("zb_h1", "zb_v", "dualpipe_v")  # split each backward into input (I) and weight (W) halves
 CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_3d.core.eager import communicates
 from lightning_3d.moe.expert_parallel import dispatch_to_experts
 from lightning_3d.moe.experts import ExpertStack, GroupedExperts, capacity
 from lightning_3d.moe.router import Routing, TopKRouter
@@ -143,6 +144,7 @@ def tensor_parallel_share(token_of_row: Tensor, weight_of_row: Tensor, counts: T
     return token_of_row[keep], weight_of_row[keep], counts[mine]
 
 
+@communicates
 def run_experts(
     tokens: Tensor, routing: Routing, n_experts: int, experts: ExpertStack, expert_group: Any = None, tp: Any = None,
     keep: Optional[int] = None, sequences: int = 1, combine_dtype: Optional[torch.dtype] = None,
@@ -201,6 +203,7 @@ class MoE(nn.Module):
         """Routed experts of the whole layer (this rank holds ``n_experts / ep`` of them)."""
         return self.router.n_experts
 
+    @communicates
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tp_group
         if tp is not None:  # each tp rank computes a share of every path below

@@ -5,7 +5,9 @@ The order is fixed and matters (DESIGN.md, "One training step"):
 1. check the layout against the models' shapes (every reason at once, before anything is sharded);
 2. tensor-parallel plan (built-in plans of the models found, or the user's plan);
 3. context parallelism: the models' positions and attention (through their families' adapters);
-4. activation checkpointing (wraps whole blocks or their attention, after TP replaced the layers);
+4. regional compilation (each block, after TP and CP replaced its layers; their collectives stay
+   eager) and activation checkpointing (wraps whole blocks or their attention, after TP replaced
+   the layers; a full recompute reruns the compiled block);
 5. pipeline split (keep this stage's blocks; the runtime takes over the forward);
 6. loss normalization over data x context parallel (pp == 1: the pipeline runtime weighs its
    micro-batches) and a family's router loss from the whole batch's statistics, then the
@@ -47,6 +49,7 @@ from lightning_3d.tensor_parallel.plans import PARALLEL_LAYERS, PlanContext, Ten
 from lightning_3d.tensor_parallel.random import RNGStatesTracker
 from lightning_3d.tensor_parallel.replicas import broadcast_tensor_parallel_replicas
 from lightning_3d.transforms.activation_checkpointing import attention_of, check_mode, checkpoint_blocks
+from lightning_3d.transforms.compile import compile_blocks
 from lightning_3d.transforms.loss_normalization import normalize_over_data_parallel
 from lightning_3d.zero.coordinator import ZeroCoordinator
 
@@ -100,6 +103,8 @@ def parallelize(
     cp = context_parallel_of(topology, config)
     if cp is not None:
         apply_context_parallel(module, cp)
+    if config.compile.enabled:
+        apply_compile(module, config.compile.blocks)
     if config.recompute.mode != "none":
         apply_activation_checkpointing(module, config.recompute.mode, config.recompute.every_n_layers, rng_tracker)
     pipelines: list[PipelineRuntime] = []
@@ -374,6 +379,19 @@ def apply_activation_checkpointing(
         target = adapter.recompute_target if adapter is not None else attention_of
         count += checkpoint_blocks(sequence.blocks, mode, every_n_layers, tracker, target)
     return count
+
+
+def apply_compile(root: nn.Module, options: dict[str, Any]) -> int:
+    """``torch.compile(**options)`` on each block of every model with a layer sequence inside ``root``;
+    returns how many blocks."""
+    found = find_sequences(root)
+    if not found:
+        raise ValueError(
+            f"compile={options!r} compiles each transformer block, and found no model with a layer sequence in "
+            f"{type(root).__name__} (model families: {known_names()}; or a model with pipeline_sequence()). Use "
+            f"compile=False and call torch.compile on your model yourself in configure_model()."
+        )
+    return sum(compile_blocks(sequence.blocks, options) for _, _, sequence, _ in found)
 
 
 def synchronize_replicas(module: nn.Module, topology: Topology, pipelines: list[PipelineRuntime], device: torch.device) -> None:

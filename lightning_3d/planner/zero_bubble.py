@@ -21,9 +21,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from lightning_3d.core.layout_rules import ZERO_BUBBLE  # the schedules whose step and memory come from here
+
 # pp^2 (3m + pp) list-scheduling steps, about 1 us each: ~30 ms per (pp, m) at most, once per process
 SIMULATED_WORK = 30_000
-ZERO_BUBBLE = ("zb_h1", "zb_v", "dualpipe_v")  # the schedules whose step and memory come from here
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,9 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
             or ``"spawn"``/``"fork"``/``"forkserver"``. Ignored under torchrun or SLURM.
         global_batch_size: samples per optimizer step at any data-parallel size: the accumulation is derived (docs/elastic.md).
         elastic: what a restart may change (``ElasticPolicy`` or a dict: ``min_data_parallel``, ``may_change``).
+        compile: ``torch.compile`` each transformer block after the layout is applied (regional, as torchtitan
+            does; docs/compile.md): ``True`` (inductor), a backend name, or a dict of ``torch.compile`` keywords
+            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``); ``False``: off.
     """
 
     strategy_name = STRATEGY_NAME
@@ -145,6 +148,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         global_batch_size: Optional[int] = None,
         elastic: Optional[Union[ElasticPolicy, dict[str, Any]]] = None,
+        compile: Union[bool, str, dict[str, Any], None] = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_3d.core.eager import communicates
 from lightning_3d.core.topology import current_topology
 from lightning_3d.tensor_parallel.mappings import (
     SEQUENCE_DIM,
@@ -264,6 +265,7 @@ class ColumnParallelLinear(nn.Module):
         weight, bias = _dense_weight(module)
         return cls(weight.shape[1], weight.shape[0], bias=bias is not None, tp_group=tp_group, _dense=module, **kwargs)
 
+    @communicates
     def forward(self, x: Tensor) -> Tensor:
         prepared = self.input_is_prepared
         shared = self.shared_entry
@@ -333,6 +335,7 @@ class RowParallelLinear(nn.Module):
         weight, bias = _dense_weight(module)
         return cls(weight.shape[1], weight.shape[0], bias=bias is not None, tp_group=tp_group, _dense=module, **kwargs)
 
+    @communicates
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.tp_group)
@@ -423,6 +426,7 @@ class VocabParallelEmbedding(nn.Module):
             bad = low if low < 0 else high
             raise ValueError(f"VocabParallelEmbedding: token id {bad} is outside the vocabulary [0, {self.num_embeddings}) {fix}")
 
+    @communicates
     def forward(self, ids: Tensor) -> Tensor:
         self._check_ids(ids)
         local = ids - self.vocab_start

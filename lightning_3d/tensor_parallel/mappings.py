@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_3d.core.eager import communicates
+
 SEQUENCE_DIM = -2
 
 
@@ -164,11 +166,13 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 # -- public API ------------------------------------------------------------------------------------
+@communicates
 def copy_to_tensor_parallel(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Enter a tensor-parallel region with a replicated input (Megatron's ``f``)."""
     return x if _world(group) == 1 else _CopyToTP.apply(x, group)
 
 
+@communicates
 def reduce_from_tensor_parallel(x: Tensor, group: dist.ProcessGroup, inplace: bool = False) -> Tensor:
     """Leave a tensor-parallel region by summing partial results (Megatron's ``g``).
 
@@ -177,18 +181,22 @@ def reduce_from_tensor_parallel(x: Tensor, group: dist.ProcessGroup, inplace: bo
     return x if _world(group) == 1 else _ReduceFromTP.apply(x, group, inplace)
 
 
+@communicates
 def scatter_to_tensor_parallel(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return x if _world(group) == 1 else _Split.apply(x, -1, group)
 
 
+@communicates
 def gather_from_tensor_parallel(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return x if _world(group) == 1 else _Gather.apply(x, -1, group, False)
 
 
+@communicates
 def scatter_to_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
     return x if _world(group) == 1 else _Split.apply(x, dim, group)
 
 
+@communicates
 def gather_from_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
     """Enter a tensor-parallel region from a sequence-sharded one (the sequence-parallel ``f``).
 
@@ -269,6 +277,7 @@ class SharedRegather:
 SEQUENCE_SHARD_ATTR = "_lightning_3d_sequence_shard"
 
 
+@communicates
 def gather_for_column_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
     """:func:`gather_from_sequence_parallel` for an input several column-parallel layers read (q/k/v,
     gate/up): one all-gather in forward, one reduce-scatter of their summed input gradients in backward,
@@ -281,6 +290,7 @@ def gather_for_column_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = S
     return gathered
 
 
+@communicates
 def reduce_scatter_to_sequence_parallel(x: Tensor, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
     """Leave a tensor-parallel region into a sequence-sharded one (the sequence-parallel ``g``)."""
     return x if _world(group) == 1 else _ReduceScatter.apply(x, dim, group)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_3d.core.eager import communicates
 from lightning_3d.core.forward_wrappers import wrap_forward
 
 TENSOR_PARALLEL_RNG = "tensor-parallel"
@@ -156,6 +157,7 @@ class Reenterable:
 def _wrap_forward(module: torch.nn.Module, kind: str, context: Callable[[], Any]) -> None:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
+        @communicates  # (switching RNG states is host-side state a compiled graph would not replay)
         def forward(*args: Any, **kwargs: Any) -> Any:
             with context():
                 return original(*args, **kwargs)

@@ -733,6 +733,23 @@ def active() -> bool:
     return _state.mode is not None
 
 
+@contextmanager
+def host_tracking_paused() -> Iterator[None]:
+    """Run the code inside without the host tracker's ``TorchFunctionMode``: compiled blocks
+    (:mod:`lightning_3d.transforms.compile`). Dynamo guards on the function-mode stack, and autograd
+    runs a recompute without the forward's modes, so a fully recomputed block compiled with the
+    tracker on would compile again, differently, inside its backward (and save other tensors). The
+    collectives stay checked: they are patched, not traced; what goes untagged is only what the
+    block's own compute makes, model code, which the tracker exempts anyway."""
+    mode = _state.mode
+    stack = torch.overrides._get_current_function_mode_stack()
+    if mode is None or not stack or stack[-1] is not mode:
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
+
+
 def enable_from_env() -> bool:
     """Called by the strategy once the process group exists: ``LIGHTNING_3D_STRICT_COMM=1`` switches
     strict mode on for the rest of the process (a CPU run then fails where NCCL would)."""

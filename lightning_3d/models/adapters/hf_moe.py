@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.core.eager import communicates
 from lightning_3d.core.forward_wrappers import wrap_forward
 from lightning_3d.models.adapters.base import model_parallel_degrees
 from lightning_3d.moe.expert_parallel import keep_slice, split_shared_experts
@@ -136,6 +137,7 @@ def _experts_forward(experts: nn.Module, n_experts: int, group: Any, tp: Any) ->
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
+        @communicates
         def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
             # (only the choices and their weights are read: the router's scores and logits stay transformers')
             routing = Routing(weights=top_k_weights, experts=top_k_index, scores=top_k_weights, logits=top_k_weights)
@@ -156,6 +158,7 @@ def _block_forward(tp: Any, sequence_parallel: bool) -> Callable[[Callable[..., 
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
+        @communicates
         def forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             out = original(enter_tensor_parallel_share(hidden_states, tp, sequence_parallel), *args, **kwargs)
             if not isinstance(out, Tensor):
@@ -177,6 +180,7 @@ def _router_forward(tp: Any) -> Callable[[Callable[..., Any]], Callable[..., Any
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
+        @communicates
         def forward(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and out[0].requires_grad:
