@@ -66,6 +66,7 @@ def _strategy(spec: Any) -> tuple[Any, type[GPTModule]]:
             "ac": "activation_checkpointing",
             "guard": "replica_check_every",
             "sp": "sequence_parallel",
+            "compile": "compile",  # a backend name: regional torch.compile of the blocks
         }
         kwargs = {k: {"off": None, "true": True}.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
         return ThreeDParallelStrategy(**{names[k]: v for k, v in kwargs.items()}), GPTModule
@@ -447,6 +448,23 @@ def recompute_overhead(steps: int, repeats: int) -> dict[str, Any]:
     out.update(result)
     out["selective_step_time_ratio"] = _ratio(result["selective"]["step_time_s"], result["none"]["step_time_s"])
     out["full_step_time_ratio"] = _ratio(result["full"]["step_time_s"], result["none"]["step_time_s"])
+    return out
+
+
+@case
+def compile_blocks(steps: int, repeats: int) -> dict[str, Any]:
+    """Regional ``torch.compile`` (inductor) against eager, at dp=2 ZeRO-1 and at tp=2 with sequence
+    parallelism (the collectives stay eager between the compiled graphs). The warm-up steps take the
+    compilation; the timed steps run compiled code."""
+    runs = {
+        "dp2_eager": (2, "3d:dp=2,zero=1"), "dp2_compiled": (2, "3d:dp=2,zero=1,compile=inductor"),
+        "tp2_sp_eager": (2, "3d:tp=2,sp=true"), "tp2_sp_compiled": (2, "3d:tp=2,sp=true,compile=inductor"),
+    }
+    result = _alternate(runs, steps, repeats, global_batch=16)
+    out: dict[str, Any] = {"case": "compile_blocks", "model": BENCH_GPT, "global_batch": 16, "steps": steps, "repeats": repeats}
+    out.update(result)
+    for layout in ("dp2", "tp2_sp"):
+        out[f"{layout}_compiled_tokens_per_s_ratio"] = _ratio(result[f"{layout}_compiled"]["tokens_per_s"], result[f"{layout}_eager"]["tokens_per_s"])
     return out
 
 

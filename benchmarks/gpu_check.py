@@ -226,11 +226,13 @@ def case_layout(case: Case, batch: int) -> Any:
     return Layout(dp=1, tp=1, pp=1, micro_batch_size=batch, zero_stage=case.zero_stage, recompute=case.recompute, offload=case.offload)
 
 
-def strategy_keywords(case: Case, batch: int, nvme_path: Optional[str]) -> dict[str, Any]:
-    """The strategy's keywords for the case: the planner's own mapping of a layout to them."""
+def strategy_keywords(case: Case, batch: int, nvme_path: Optional[str], gpu: bool = True) -> dict[str, Any]:
+    """The strategy's keywords for the case: the planner's own mapping of a layout to them. The CPU dry
+    run compiles with ``aot_eager`` (the same capture and graphs; inductor's C++ build per graph would
+    take longer than the rest of the dry run)."""
     kwargs = case_layout(case, batch).strategy_kwargs(global_batch=batch)
     if case.compile:
-        kwargs["compile"] = True
+        kwargs["compile"] = True if gpu else "aot_eager"
     if case.offload == "nvme":
         kwargs["nvme_path"] = nvme_path
     return kwargs
@@ -302,7 +304,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         device_name = torch.cuda.get_device_name(0) if gpu else None
         result["device"] = device_name or "cpu"
-        kwargs = strategy_keywords(case, args.batch, nvme_path)
+        kwargs = strategy_keywords(case, args.batch, nvme_path, gpu=gpu)
         shown = ("zero_stage", "activation_checkpointing", "offload_optimizer", "offload_params", "compile")
         result["strategy"] = {k: v for k, v in kwargs.items() if k in shown and v is not None}
         try:  # a prediction that fails (a planner bug, omegaconf missing) must not cost the measurement
