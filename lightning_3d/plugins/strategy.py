@@ -67,8 +67,6 @@ from lightning_3d.tensor_parallel.random import RNGStatesTracker, agree_on_rando
 from lightning_3d.testing import strict_comm
 from lightning_3d.zero.coordinator import ZeroCoordinator
 
-log = logging.getLogger(__name__)
-
 
 class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks, ZeroHooks, ParallelStrategy):
     """Data x tensor x pipeline parallel training with ZeRO, behind ``Trainer(strategy=...)``.
@@ -109,9 +107,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
             or ``"spawn"``/``"fork"``/``"forkserver"``. Ignored under torchrun or SLURM.
         global_batch_size: samples per optimizer step at any data-parallel size: the accumulation is derived (docs/elastic.md).
         elastic: what a restart may change (``ElasticPolicy`` or a dict: ``min_data_parallel``, ``may_change``).
-        compile: ``torch.compile`` each transformer block after the layout is applied (regional, as torchtitan
-            does; docs/compile.md): ``True`` (inductor), a backend name, or a dict of ``torch.compile`` keywords
-            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``); ``False``: off.
+        compile: ``torch.compile`` each block after the layout: ``True``, a backend, or its keywords (docs/compile.md).
     """
 
     strategy_name = STRATEGY_NAME
@@ -276,7 +272,7 @@ class ThreeDParallelStrategy(CheckpointHooks, DataParallelCollectives, FitHooks,
         self._rng_tracker = seeded_tracker(self.root_device.type, self._topology.tp_rank, self._topology.pp_rank, base_seed)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._topology.mesh
-        rank_zero.info(log, "lightning_3d: %r", self._topology, once=True)
+        rank_zero.info(logging.getLogger(__name__), "lightning_3d: %r", self._topology, once=True)
         rank_zero.quiet_deprecations_off_zero()
         destroy_process_group_at_exit()
         if self.config.runtime.health_check and self._monitor is None:
