@@ -67,6 +67,29 @@ def test_the_blocks_share_one_compiled_graph():
     assert counter.frame_count == 1, f"{counter.frame_count} compilations for 4 identical blocks"
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_selective_recompute_inside_a_compiled_block_replays_dropout(backend):
+    """Selective recompute puts a checkpoint inside the compiled block: it must run as written (Dynamo's
+    own checkpoint refuses our context and would not replay the RNG), so the recomputed attention
+    draws the forward's dropout masks and the gradients are the eager model's."""
+    from lightning_3d.parallel.parallelize import apply_activation_checkpointing
+
+    config = GPTConfig(**{**TINY_GPT, "dropout": 0.2})
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT(config)
+        if compiled:
+            apply_compile(model, {"backend": backend})
+        apply_activation_checkpointing(model, "selective")
+        ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(5)
+        model(ids, ids).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
+
+
 def _fit_counting(compile: Any) -> dict[str, Any]:
     """Train the tiny GPT at tp2 + SP, ZeRO-1, selective recompute; count the collectives training calls
     (from the first batch on: set-up's once-per-process checks are not the blocks')."""

@@ -308,29 +308,46 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _compile_keywords(value: Any) -> Optional[dict[str, Any]]:
-    """``compile=``: ``False``/``None`` (off), ``True`` (inductor), a backend name, or a dict of
+    """``compile=``: ``False``/``None``/``"off"`` (off), ``True`` (inductor), a backend name, or a dict of
     ``torch.compile`` keywords; held as that dict (or None)."""
-    if value is None or value is False or (isinstance(value, str) and value.lower() == "none"):
+    if value is None or value is False or (isinstance(value, str) and value.lower() in ("none", "off", "false", "")):
         return None
-    if value is True:
-        return {"backend": "inductor"}
-    if isinstance(value, str):
-        return {"backend": value}
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(COMPILE_KEYS))
-        if unknown:
-            raise ValueError(f"compile={dict(value)!r}: {unknown} are not torch.compile keywords used per block; give {list(COMPILE_KEYS)}.")
-        out = {"backend": "inductor", **dict(value)}
-        if not (isinstance(out["backend"], str) or callable(out["backend"])):
-            raise ValueError(f"compile backend={out['backend']!r} is invalid: give a backend name ('inductor', 'aot_eager') or a callable.")
-        if out.get("mode") in CUDA_GRAPH_MODES:
-            raise ValueError(
-                f"compile mode={out['mode']!r} records CUDA graphs, which need every input at a fixed address; ZeRO re-gathers "
-                f"parameters and the pipeline receives activations into fresh buffers. Use mode='max-autotune-no-cudagraphs' "
-                f"or mode='default'."
-            )
-        return out
-    raise ValueError(f"compile={value!r} is invalid: give True, a backend name, a dict of torch.compile keywords, or False.")
+    if value is True or (isinstance(value, str) and value.lower() in ("true", "on")):
+        value = {}
+    elif isinstance(value, str):
+        value = {"backend": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"compile={value!r} is invalid: give True, a backend name, a dict of torch.compile keywords, or False.")
+    unknown = sorted(set(value) - set(COMPILE_KEYS))
+    if unknown:
+        raise ValueError(f"compile={dict(value)!r}: {unknown} are not torch.compile keywords used per block; give {list(COMPILE_KEYS)}.")
+    out = {"backend": "inductor", **dict(value)}
+    backend = out["backend"]
+    if isinstance(backend, str):
+        _check_backend_name(backend)
+    elif not callable(backend):
+        raise ValueError(f"compile backend={backend!r} is invalid: give a backend name ('inductor', 'aot_eager') or a callable.")
+    cudagraph_options = [k for k, v in (out.get("options") or {}).items() if "cudagraph" in k and v]
+    if out.get("mode") in CUDA_GRAPH_MODES or backend == "cudagraphs" or cudagraph_options:
+        what = f"mode={out.get('mode')!r}" if out.get("mode") in CUDA_GRAPH_MODES else (
+            f"options {cudagraph_options}" if cudagraph_options else "backend='cudagraphs'")
+        raise ValueError(
+            f"compile {what} records CUDA graphs, which need every input at a fixed address; ZeRO re-gathers "
+            f"parameters and the pipeline receives activations into fresh buffers. Use mode='max-autotune-no-cudagraphs' "
+            f"or mode='default', with the 'inductor' backend."
+        )
+    return out
+
+
+def _check_backend_name(name: str) -> None:
+    """A backend torch.compile knows, checked before any process starts (not at the first step)."""
+    if name in ("inductor", "aot_eager", "eager"):
+        return
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ValueError(f"compile backend={name!r} is not a torch.compile backend here; choose one of {sorted(known)}.")
 
 
 @dataclass(frozen=True)

@@ -391,6 +391,11 @@ def apply_compile(root: nn.Module, options: dict[str, Any]) -> int:
             f"{type(root).__name__} (model families: {known_names()}; or a model with pipeline_sequence()). Use "
             f"compile=False and call torch.compile on your model yourself in configure_model()."
         )
+    if options.get("fullgraph") and moe_layer_count(root):
+        raise ValueError(
+            f"compile={options!r}: fullgraph=True, but the model has mixture-of-experts layers, which run eagerly (their "
+            f"routing decides the expert exchange's sizes), so a block cannot be one graph; use fullgraph=False."
+        )
     return sum(compile_blocks(sequence.blocks, options) for _, _, sequence, _ in found)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_3d.core.config import ParallelConfig
+from lightning_3d.core.layout_rules import ZERO_BUBBLE
 from lightning_3d.pipeline.runtime import default_micro_batches
 from lightning_3d.planner import Estimate, Layout, Planner, plan, problem_from_config
 
@@ -43,7 +44,12 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
     problem = problem_from_config(cfg, software=str(cfg.parallel.get("software", "lightning_3d")))
     global_batch = problem.global_batch
     result = plan(problem)
-    usable = [e for e in result.ranked if e.layout.offload != "nvme" or cfg.parallel.get("nvme_path")]
+    compiling = ParallelConfig(compile=cfg.parallel.get("compile", False)).compile.enabled
+    usable = [
+        e for e in result.ranked
+        if (e.layout.offload != "nvme" or cfg.parallel.get("nvme_path"))
+        and not (compiling and e.layout.pp > 1 and e.layout.schedule in ZERO_BUBBLE)  # (refused with compile)
+    ]
     if not usable:
         raise ValueError(
             f"parallel=auto: no layout fits model={cfg.model} on cluster {cfg.cluster.name}; "

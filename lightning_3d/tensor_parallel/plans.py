@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.core.eager import communicates
 from lightning_3d.core.forward_wrappers import wrap_forward, wrapper
 from lightning_3d.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lightning_3d.tensor_parallel.mappings import (
@@ -235,6 +236,7 @@ class ShareEntry(Style):
 
         def make(original: Any) -> Any:
             @functools.wraps(original)
+            @communicates  # (it gathers under SP, and keeps Python state across its children's calls)
             def forward(*args: Any, **kwargs: Any) -> Any:
                 for child in module.children():
                     if isinstance(child, ColumnParallelLinear) and not child.input_is_prepared:

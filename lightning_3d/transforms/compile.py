@@ -8,8 +8,9 @@ What a user of torchtitan expects from ``compile``, and why per block rather tha
   FSDP2 hooks (Dynamo skips them) and ZeRO 0-2's gradient hooks;
 * the blocks are compiled after tensor and context parallelism replaced their layers, so the
   graphs see this rank's shapes; their collectives stay eager (:mod:`lightning_3d.core.eager`);
-* activation checkpointing wraps the compiled forward (full recompute) or sits inside it
-  (selective: the attention core's checkpoint is a graph break), so recompute reruns compiled code.
+* activation checkpointing wraps the compiled forward (full recompute: the recompute reruns the
+  compiled code) or sits inside it (selective: the attention core's checkpoint is marked to run as
+  written, a graph break, around the core's own compiled frame).
 
 Each compiled block forward is recorded as a forward wrapper (``"compiled"``), so a second set-up
 (``validate`` after ``fit``) does not compile twice.

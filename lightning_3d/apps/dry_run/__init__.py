@@ -208,7 +208,8 @@ def dry_run(cfg: DictConfig, only: Optional[list[int]] = None) -> DryRunReport:
     start = time.perf_counter()
     cluster = cfg.cluster
     world = int(cluster.num_nodes) * int(cluster.devices_per_node)
-    config = build_config(cfg.parallel)
+    # (compiled blocks would not run on meta tensors, and their saved tensors are not what is measured here)
+    config = build_config(cfg.parallel).replace(compile=False)
     dims = config.check_world(world, int(cluster.devices_per_node))
     batch = batch_of(cfg, config, dims)
     problem = problem_from_config(cfg)
