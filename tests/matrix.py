@@ -60,7 +60,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "optimizers": ("one", "two"),
     "resume": ("no", "other-layout"),
     "experts": ("none", "moe"),  # a dense GPT, or MoE blocks (lightning_3d.moe) in every other block
-    "compile": ("off", "blocks"),  # torch.compile of each block (COMPILE_BACKEND: aot_eager unless the environment says)
+    "compile": ("off", "blocks"),  # torch.compile of each block, with the cell's compile_backend
 }
 # aot_eager: Dynamo's capture and AOTAutograd's graphs, around our eager collectives, without inductor's C++
 # build per graph (seconds per cell); MATRIX_COMPILE_BACKEND=inductor runs the matrix on the code users get.
@@ -144,6 +144,7 @@ class Cell:
     resume: str = "no"
     experts: str = "none"
     compile: str = "off"
+    compile_backend: str = COMPILE_BACKEND  # not a matrix factor: make test's sample compiles with "eager" (tests/test_matrix.py)
     forwards: int = 1  # not a matrix factor: model calls per training step (tests of the pipeline)
 
     @property
@@ -361,7 +362,7 @@ def _strategy(cell: Cell, layout: str, tmp: Path) -> ThreeDParallelStrategy:
     kwargs.update(
         zero_stage=cell.zero, bucket_size_mb=0.02, activation_checkpointing=None if cell.recompute == "none" else cell.recompute,
         offload_optimizer=None if cell.offload == "none" else cell.offload, sequence_parallel=cell.sequence_parallel, timeout=300,
-        compile=False if cell.compile == "off" else {"backend": COMPILE_BACKEND},
+        compile=False if cell.compile == "off" else {"backend": cell.compile_backend},
     )
     if cell.offload == "nvme":
         path = tmp / "nvme"
