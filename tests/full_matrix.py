@@ -15,6 +15,7 @@ The whole matrix takes longer than a working session on 2 cores, so it can run i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -83,7 +84,8 @@ def _chunk(index: int) -> Any:
             _results[index] = run_on_ranks(run_world, world, cells, tempfile.mkdtemp(prefix="l3d-matrix-"), timeout=3600)
         except Exception as err:  # noqa: BLE001 - a dead world fails its cells, not the run
             _results[index] = err
-        _checked[index] = {"chunk": index, "world": world, "cells": len(cells), "trained": 0, "refused": 0, "failed": [], "seconds": round(time.monotonic() - started)}
+        _checked[index] = {"chunk": index, "digest": chunk_digest(index), "world": world, "cells": len(cells), "trained": 0,
+                           "refused": 0, "failed": [], "seconds": round(time.monotonic() - started)}
     return _results[index]
 
 
@@ -122,12 +124,23 @@ def test_summary():
     )
 
 
+def chunk_digest(index: int) -> str:
+    """A chunk's cells, fingerprinted: a ledger line counts only for the cells it ran (a new factor or
+    layout renumbers every chunk)."""
+    return hashlib.sha1("\n".join(c.id for c in CHUNKS[index][1]).encode()).hexdigest()[:12]
+
+
 def ledger_report(path: str) -> str:
-    """Which chunks have passed (every cell trained or refused as expected), where, and which remain."""
+    """Which chunks have passed (every cell trained or refused as expected), where, and which remain.
+    Lines of an earlier matrix (no digest, or another chunk's cells at that number) are not counted."""
     latest: dict[int, dict[str, Any]] = {}
+    earlier = 0
     for line in Path(path).read_text().splitlines():
         if line.strip():
             entry = json.loads(line)
+            if entry["chunk"] >= len(CHUNKS) or entry.get("digest") != chunk_digest(entry["chunk"]):
+                earlier += 1
+                continue
             latest[entry["chunk"]] = entry
     passed = {i: e for i, e in latest.items() if not e["failed"]}
     lines = [
@@ -142,6 +155,8 @@ def ledger_report(path: str) -> str:
             lines.append(f"  chunk {i} FAILED {len(e['failed'])} cells: {e['failed'][:5]}")
     missing = [i for i in range(len(CHUNKS)) if i not in passed]
     lines.append(f"  still to run: {_ranges(missing) or 'none'}")
+    if earlier:
+        lines.append(f"  ({earlier} ledger lines are of an earlier matrix, other cells at those chunk numbers: not counted)")
     return "\n".join(lines)
 
 
