@@ -127,7 +127,8 @@ def test_summary():
 def chunk_digest(index: int) -> str:
     """A chunk's cells, fingerprinted: a ledger line counts only for the cells it ran (a new factor or
     layout renumbers every chunk)."""
-    return hashlib.sha1("\n".join(c.id for c in CHUNKS[index][1]).encode()).hexdigest()[:12]
+    ids = [f"{c.id}@{c.compile_backend}" if c.compile != "off" else c.id for c in CHUNKS[index][1]]
+    return hashlib.sha1("\n".join(ids).encode()).hexdigest()[:12]
 
 
 def ledger_report(path: str) -> str:

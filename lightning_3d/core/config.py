@@ -327,7 +327,7 @@ def _compile_keywords(value: Any) -> Optional[dict[str, Any]]:
         _check_backend_name(backend)
     elif not callable(backend):
         raise ValueError(f"compile backend={backend!r} is invalid: give a backend name ('inductor', 'aot_eager') or a callable.")
-    cudagraph_options = [k for k, v in (out.get("options") or {}).items() if "cudagraph" in k and v]
+    cudagraph_options = [k for k in ("triton.cudagraphs",) if (out.get("options") or {}).get(k)]
     if out.get("mode") in CUDA_GRAPH_MODES or backend == "cudagraphs" or cudagraph_options:
         what = f"mode={out.get('mode')!r}" if out.get("mode") in CUDA_GRAPH_MODES else (
             f"options {cudagraph_options}" if cudagraph_options else "backend='cudagraphs'")

@@ -44,11 +44,12 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
     problem = problem_from_config(cfg, software=str(cfg.parallel.get("software", "lightning_3d")))
     global_batch = problem.global_batch
     result = plan(problem)
-    compiling = ParallelConfig(compile=cfg.parallel.get("compile", False)).compile.enabled
-    usable = [
+    compiled = ParallelConfig(compile=cfg.parallel.get("compile", False)).compile.blocks or {}
+    usable = [  # (what compile refuses: zero-bubble schedules; fullgraph with collectives in the blocks)
         e for e in result.ranked
         if (e.layout.offload != "nvme" or cfg.parallel.get("nvme_path"))
-        and not (compiling and e.layout.pp > 1 and e.layout.schedule in ZERO_BUBBLE)  # (refused with compile)
+        and not (compiled and e.layout.pp > 1 and e.layout.schedule in ZERO_BUBBLE)
+        and not (compiled.get("fullgraph") and max(e.layout.tp, e.layout.cp, e.layout.ep) > 1)
     ]
     if not usable:
         raise ValueError(

@@ -70,7 +70,7 @@ def checkpoint_forward(module: nn.Module, tracker: Optional[RNGStatesTracker] = 
             return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         # inside a compiled block (selective recompute) the checkpoint runs as written, a graph break: Dynamo's own
-        # checkpoint takes only dispatch-mode contexts and drops the RNG replay ours needs; what it calls still compiles
+        # checkpoint takes only dispatch-mode contexts and drops the RNG replay ours needs (what it calls runs eagerly)
         return torch.compiler.disable(forward, recursive=False)
 
     wrap_forward(module, CHECKPOINTED, make)

@@ -10,7 +10,7 @@ What a user of torchtitan expects from ``compile``, and why per block rather tha
   graphs see this rank's shapes; their collectives stay eager (:mod:`lightning_3d.core.eager`);
 * activation checkpointing wraps the compiled forward (full recompute: the recompute reruns the
   compiled code) or sits inside it (selective: the attention core's checkpoint is marked to run as
-  written, a graph break, around the core's own compiled frame).
+  written, a graph break, and the core under it runs eagerly).
 
 Each compiled block forward is recorded as a forward wrapper (``"compiled"``), so a second set-up
 (``validate`` after ``fit``) does not compile twice.

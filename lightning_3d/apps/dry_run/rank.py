@@ -368,9 +368,8 @@ def _recompute_bytes(
     block = next((b for b in sequence.blocks if wrapper(b, CHECKPOINTED) is not None), None)
     if block is None:
         return 0.0
-    original = getattr(block.forward, "__wrapped__", None)
-    if original is None:
-        return 0.0
+    replaced = wrapper(block, CHECKPOINTED).previous  # (the wrapper's record: its own __wrapped__ is Dynamo's)
+    original = replaced if replaced is not None else type(block).forward.__get__(block)
     x = torch.empty(_boundary_shape(batch, dims, config), dtype=dtype, device=META, requires_grad=True)
     params = list(block.parameters())
     tracker = SavedBytes(exclude=params)
