@@ -33,7 +33,7 @@ endif
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# The full composition matrix (tests/matrix.py, 6,024 cells): several hours on 2 cores; `make test` runs its pairwise sample.
+# The full composition matrix (tests/matrix.py, 6,023 cells): several hours on 2 cores; `make test` runs its pairwise sample.
 # In parts: make test-matrix CHUNKS=0-9 LEDGER=docs/matrix_ledger.jsonl (see tests/full_matrix.py).
 test-matrix: $(STAMP)
 	MATRIX_CHUNKS="$(CHUNKS)" MATRIX_LEDGER="$(LEDGER)" $(PY) -m pytest -q -s tests/full_matrix.py $(ARGS)

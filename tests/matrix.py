@@ -249,8 +249,43 @@ def covering_array(strength: int = 2, seed: int = 0, candidates: int = 24) -> li
             continue
         cells.append(Cell(**best[1]))
         uncovered -= set(itertools.combinations(_ordered(best[1].items()), strength))
+    cells = _fewer_costly(cells, strength)
     cells += [Cell(**dict(t)) for t in sorted(refused, key=repr)]
     return cells
+
+
+# Factor values that make a cell expensive (compiling costs seconds per cell and rank), with what to use
+# instead where the coverage allows: the greedy above picks them as often as any other value.
+COSTLY = {"compile": ("blocks", "off")}
+
+
+def _fewer_costly(cells: list[Cell], strength: int) -> list[Cell]:
+    """Turn a costly value back to its cheap one in every cell where each tuple stays covered by some
+    cell that trains (last cells first); the set of covered tuples never shrinks."""
+    def tuples(cell: Cell) -> set[tuple]:
+        return set(itertools.combinations(_ordered((n, getattr(cell, n)) for n in FACTORS), strength))
+
+    counts: dict[tuple, int] = {}
+    for cell in cells:
+        for t in tuples(cell):
+            counts[t] = counts.get(t, 0) + 1
+    out = list(cells)
+    for i in reversed(range(len(out))):
+        for name, (costly, cheap) in COSTLY.items():
+            cell = out[i]
+            if getattr(cell, name) != costly:
+                continue
+            cheaper = replace(cell, **{name: cheap})
+            if refusal(asdict(cheaper)) is not None:
+                continue
+            lost, gained = tuples(cell) - tuples(cheaper), tuples(cheaper) - tuples(cell)
+            if all(counts[t] > 1 for t in lost):
+                for t in lost:
+                    counts[t] -= 1
+                for t in gained:
+                    counts[t] = counts.get(t, 0) + 1
+                out[i] = cheaper
+    return out
 
 
 def full_matrix() -> list[Cell]:
