@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_3d import ThreeDParallelStrategy
-from lightning_3d.core.config import ParallelConfig
+from lightning_3d.core.config import ParallelConfig, compile_refusals
 from lightning_3d.core.layout_rules import LayoutRefused
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.parallel.parallelize import apply_compile
@@ -42,6 +42,11 @@ def test_compile_keyword_forms_and_refusals():
     ParallelConfig(compile={"fullgraph": True})  # data parallel only: a block is one graph
     with pytest.raises(NotImplementedError, match="pipeline_schedule='zb_v' is not supported.*'1f1b'"):
         ThreeDParallelStrategy(compile=True, pipeline_parallel=2, pipeline_schedule="zb_v")
+    # the same rules are what parallel=auto skips (lightning_3d/planner/recipe_layout.py)
+    degrees = dict(tp=1, cp=1, ep=1)
+    assert [r.rule for r in compile_refusals({"backend": "inductor"}, pp=2, schedule="zb_h1", **degrees)] == ["compile_zero_bubble"]
+    assert not compile_refusals(None, pp=2, schedule="zb_h1", **degrees)
+    assert not compile_refusals({"backend": "inductor", "fullgraph": True}, pp=1, schedule="1f1b", **degrees)
     with pytest.raises(ValueError, match="found no model with a layer sequence.*compile=False"):
         apply_compile(nn.Sequential(nn.Linear(4, 4)), {"backend": "aot_eager"})
 

@@ -367,23 +367,31 @@ class CompileOptions:
 
     def refusals(self, layout: LayoutOptions, pipeline: PipelineOptions) -> list[Refusal]:
         """What compiled blocks cannot do in this layout (none when compilation is off)."""
-        if self.blocks is None:
-            return []
-        out = []
-        if layout.pipeline_parallel > 1 and pipeline.schedule in ZERO_BUBBLE:
-            out.append(Refusal("compile_zero_bubble", (
-                f"compile with pipeline_schedule={pipeline.schedule!r} is not supported: the zero-bubble schedules split each "
-                f"linear layer's backward into its input and weight halves at run time, and a compiled block's backward is "
-                f"one graph; use pipeline_schedule='1f1b' or 'interleaved_1f1b' with compile, or compile=False."
-            ), unsupported=True))
-        talking = {n: d for n, d in (("tensor_parallel", layout.tensor_parallel), ("context_parallel", layout.context_parallel),
-                                     ("expert_parallel", layout.expert_parallel)) if d > 1}
-        if self.blocks.get("fullgraph") and talking:
-            out.append(Refusal("compile_fullgraph", (
-                f"compile fullgraph=True with {', '.join(f'{n}={d}' for n, d in talking.items())}: the blocks' collectives run "
-                f"between compiled graphs (each is a graph break), so a block cannot be one graph; use fullgraph=False."
-            )))
-        return out
+        return compile_refusals(
+            self.blocks, pp=layout.pipeline_parallel, schedule=pipeline.schedule,
+            tp=layout.tensor_parallel, cp=layout.context_parallel, ep=layout.expert_parallel,
+        )
+
+
+def compile_refusals(blocks: Optional[dict[str, Any]], *, pp: int, schedule: str, tp: int, cp: int, ep: int) -> list[Refusal]:
+    """The layout rules of ``compile=`` (``blocks``: :class:`CompileOptions`' keywords, None when off),
+    on the degrees alone: the strategy's and ``parallel=auto``'s (which skips the layouts refused here)."""
+    if blocks is None:
+        return []
+    out = []
+    if pp > 1 and schedule in ZERO_BUBBLE:
+        out.append(Refusal("compile_zero_bubble", (
+            f"compile with pipeline_schedule={schedule!r} is not supported: the zero-bubble schedules split each "
+            f"linear layer's backward into its input and weight halves at run time, and a compiled block's backward is "
+            f"one graph; use pipeline_schedule='1f1b' or 'interleaved_1f1b' with compile, or compile=False."
+        ), unsupported=True))
+    talking = {n: d for n, d in (("tensor_parallel", tp), ("context_parallel", cp), ("expert_parallel", ep)) if d > 1}
+    if blocks.get("fullgraph") and talking:
+        out.append(Refusal("compile_fullgraph", (
+            f"compile fullgraph=True with {', '.join(f'{n}={d}' for n, d in talking.items())}: the blocks' collectives run "
+            f"between compiled graphs (each is a graph break), so a block cannot be one graph; use fullgraph=False."
+        )))
+    return out
 
 
 GROUPS: dict[str, type] = {

@@ -8,8 +8,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_3d.core.config import ParallelConfig
-from lightning_3d.core.layout_rules import ZERO_BUBBLE
+from lightning_3d.core.config import ParallelConfig, compile_refusals
 from lightning_3d.pipeline.runtime import default_micro_batches
 from lightning_3d.planner import Estimate, Layout, Planner, plan, problem_from_config
 
@@ -44,12 +43,11 @@ def apply_auto_layout(cfg: DictConfig) -> tuple[DictConfig, Optional[Estimate]]:
     problem = problem_from_config(cfg, software=str(cfg.parallel.get("software", "lightning_3d")))
     global_batch = problem.global_batch
     result = plan(problem)
-    compiled = ParallelConfig(compile=cfg.parallel.get("compile", False)).compile.blocks or {}
-    usable = [  # (what compile refuses: zero-bubble schedules; fullgraph with collectives in the blocks)
+    compiled = ParallelConfig(compile=cfg.parallel.get("compile", False)).compile.blocks
+    usable = [
         e for e in result.ranked
         if (e.layout.offload != "nvme" or cfg.parallel.get("nvme_path"))
-        and not (compiled and e.layout.pp > 1 and e.layout.schedule in ZERO_BUBBLE)
-        and not (compiled.get("fullgraph") and max(e.layout.tp, e.layout.cp, e.layout.ep) > 1)
+        and not compile_refusals(compiled, pp=e.layout.pp, schedule=e.layout.schedule, tp=e.layout.tp, cp=e.layout.cp, ep=e.layout.ep)
     ]
     if not usable:
         raise ValueError(

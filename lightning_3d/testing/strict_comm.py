@@ -742,8 +742,8 @@ def host_tracking_paused() -> Iterator[None]:
     collectives stay checked: they are patched, not traced; what goes untagged is only what the
     block's own compute makes, model code, which the tracker exempts anyway."""
     mode = _state.mode
-    stack = torch.overrides._get_current_function_mode_stack()
-    if mode is None or not stack or stack[-1] is not mode:
+    stack = torch.overrides._get_current_function_mode_stack() if mode is not None else []  # (every block call)
+    if not stack or stack[-1] is not mode:
         yield
         return
     with torch.overrides._pop_mode_temporarily():
