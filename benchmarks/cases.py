@@ -396,6 +396,55 @@ def offload_host_step(steps: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+def _zero_step_rounds(steps: int, repeats: int, width: int, layers: int, bucket_mb: float) -> dict[str, Any]:
+    """On each of 2 gloo ranks: ZeRO-1 AdamW over a stack of ``layers`` ``width x width`` fp32 linear
+    maps in ``bucket_mb`` buckets; the median time of ``ZeroOptimizer.step`` (the used vote, the inner
+    step, the all-gathers and their wait) with the step in rounds against one call, alternating."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_3d.zero.sharded_optimizer import STEP_ROUNDS, ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dist.group.WORLD, 1, bucket_bytes=int(bucket_mb * 2**20))
+    x = torch.randn(4, width)
+    medians: dict[str, list[float]] = {"rounds": [], "one_call": []}
+    try:
+        for _ in range(repeats):
+            for label, rounds in (("rounds", STEP_ROUNDS), ("one_call", 1)):
+                opt.rounds = rounds
+                times = []
+                for i in range(steps + 2):
+                    model(x).square().mean().backward()
+                    opt.grads.after_backward()
+                    dist.barrier()  # both ranks enter the step together: the time is the step's own
+                    start = time.perf_counter()
+                    opt.step()
+                    if i >= 2:
+                        times.append(time.perf_counter() - start)
+                medians[label].append(statistics.median(times))
+    finally:
+        opt.remove()
+    return {"buckets": len(opt.buckets), **{k: statistics.median(v) for k, v in medians.items()}}
+
+
+@case
+def zero_step_rounds(steps: int, repeats: int) -> dict[str, Any]:
+    """ZeRO-1's step in rounds (each round's all-gathers in flight while the next round steps) against
+    one inner call followed by every all-gather: dp=2, 16.8 M fp32 parameters in 4 MiB buckets."""
+    width, layers, bucket_mb = 1024, 16, 4.0
+    ranks = run_on_ranks(_zero_step_rounds, 2, max(5, steps // 2), repeats, width, layers, bucket_mb, timeout=900)
+    rounds = max(r["rounds"] for r in ranks)  # the slower rank's median
+    one_call = max(r["one_call"] for r in ranks)
+    return {
+        "case": "zero_step_rounds", "parameters": width * width * layers, "bucket_mb": bucket_mb, "buckets": ranks[0]["buckets"],
+        "steps": max(5, steps // 2), "repeats": repeats, "rounds_step_s": round(rounds, 4), "one_call_step_s": round(one_call, 4),
+        "rounds_vs_one_call_step_time_ratio": _ratio(rounds, one_call),
+    }
+
+
 @case
 def cpu_adam_throughput(steps: int, repeats: int) -> dict[str, Any]:
     """Elements/s of one AdamW step on the CPU: torch per-parameter (foreach, fused) vs the offload path

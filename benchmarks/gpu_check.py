@@ -57,6 +57,7 @@ class Case:
     proves: str = ""
     compile: bool = False  # torch.compile of each block (inductor), as ThreeDParallelStrategy(compile=True)
     peer: str = ""  # another stack's run of the layout (benchmarks/gpu_peers.py): "deepspeed" or "fsdp2"
+    step_rounds: Optional[int] = None  # ZeRO 1-2's inner step calls per step (None: ZeroOptimizer.step_rounds decides)
 
     @property
     def ours(self) -> str:
@@ -73,6 +74,10 @@ CASES = [
     Case("zero2", 2, proves="ZeRO-2: gradients kept only as the reduced shard"),
     Case("zero3", 3, proves="ZeRO-3: FSDP2 fully_shard with bf16 compute on CUDA"),
     Case("zero2_offload_cpu", 2, offload="cpu", proves="ZeRO-Offload: pinned host masters, fused CPU AdamW, copies back"),
+    Case(
+        "zero2_offload_cpu_one_call", 2, offload="cpu", step_rounds=1,
+        proves="ZeRO-Offload with the host step in one call, every upload after it: against zero2_offload_cpu's rounds",
+    ),
     Case("zero3_offload_cpu", 3, offload="cpu", proves="FSDP2 CPUOffloadPolicy: parameters, gradients and the step on the host"),
     Case("zero1_offload_nvme", 1, offload="nvme", proves="ZeRO-Infinity-style: masters and moments streamed from a file"),
     Case("zero1_recompute_full", 1, recompute="full", proves="full activation recompute (non-reentrant checkpoint) on CUDA"),
@@ -317,7 +322,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         if case.peer:
             losses, seconds, backend = run_peer_case(case, config, args, str(corpus), profile)
         else:
-            losses, seconds, backend = run_our_case(kwargs, config, args, str(corpus), profile)
+            losses, seconds, backend = run_our_case(kwargs, config, args, str(corpus), profile, case.step_rounds, result)
         if profile is not None:
             result["profile"] = profile.summary
         if len(losses) != args.steps:
@@ -363,10 +368,12 @@ def step_profile(case: Case, args: argparse.Namespace) -> Any:
 
 
 def run_our_case(
-    kwargs: dict[str, Any], config: Any, args: argparse.Namespace, corpus: str, profile: Any = None
+    kwargs: dict[str, Any], config: Any, args: argparse.Namespace, corpus: str, profile: Any = None,
+    step_rounds: Optional[int] = None, record: Optional[dict[str, Any]] = None,
 ) -> tuple[list[float], list[float], Optional[str]]:
     """``args.steps`` steps of lightning_3d's Trainer with the strategy ``kwargs`` (and one more under
-    ``profile``, not recorded): losses, step seconds and the process group's backend."""
+    ``profile``, not recorded): losses, step seconds and the process group's backend. ``step_rounds``
+    sets ZeRO 1-2's rounds; ``record`` receives the rounds the step ran in."""
     import lightning as L
     import torch
 
@@ -376,13 +383,15 @@ def run_our_case(
 
     gpu = not args.cpu_dry_run
     L.seed_everything(args.seed, verbose=False)
-    probe = step_probe(gpu, args.steps, profile)
+    probe = step_probe(gpu, args.steps, profile, step_rounds)
     steps = args.steps + (profile is not None)
     trainer = one_device_trainer(gpu, ThreeDParallelStrategy(**kwargs), steps, probe)
     module = GPTModule(config, lr=args.lr, warmup_steps=1, decay_steps=10**9)  # a constant rate
     data = TextDataModule(source=corpus, block_size=args.seq, batch_size=args.batch)
     trainer.fit(module, data)
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    if record is not None and probe.step_rounds is not None:
+        record["step_rounds"] = probe.step_rounds
     return probe.losses, probe.seconds, backend
 
 
@@ -430,10 +439,11 @@ def run_peer_case(
     return losses, seconds, backend
 
 
-def step_probe(gpu: bool, steps: int, profile: Any = None) -> Any:
+def step_probe(gpu: bool, steps: int, profile: Any = None, step_rounds: Optional[int] = None) -> Any:
     """A Lightning callback that records each step's loss and its wall time, from batch start to the
     end of the optimizer step (device synchronized), for ``steps`` steps; a step after those runs
-    under ``profile``. Built here so the parent process never imports Lightning."""
+    under ``profile``. At the start it sets ZeRO 1-2's ``step_rounds`` where given and records the
+    rounds the step runs in. Built here so the parent process never imports Lightning."""
     import lightning as L
     import torch
 
@@ -442,6 +452,14 @@ def step_probe(gpu: bool, steps: int, profile: Any = None) -> Any:
             self.losses: list[float] = []
             self.seconds: list[float] = []
             self._start = 0.0
+            self.step_rounds: Optional[int] = None
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            for optimizer in trainer.strategy.optimizers:
+                if hasattr(optimizer, "step_rounds"):  # our ZeroOptimizer
+                    if step_rounds is not None:
+                        optimizer.rounds = step_rounds
+                    self.step_rounds = optimizer.step_rounds
 
         def _sync(self) -> None:
             if gpu:

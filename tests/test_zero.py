@@ -203,6 +203,42 @@ def fit_then_evaluate(stage: int) -> dict[str, Any]:
     return {"val_loss": float(validated), "steps": trainer.global_step}
 
 
+# -- the pipelined step: rounds of buckets, each round's all-gathers in flight while the next steps --------
+class CustomAdamW(torch.optim.AdamW):
+    """Outside torch's own classes: may count per call, so it is stepped in one call."""
+
+    elementwise = True
+
+
+def step_in_rounds() -> dict[str, Any]:
+    from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
+
+    out: dict[str, Any] = {}
+    variants = [("auto", torch.optim.AdamW, None, "none"), ("rounds", torch.optim.AdamW, 8, "none"), ("one_call", torch.optim.AdamW, 1, "none")]
+    variants += [("custom", CustomAdamW, 8, "none"), ("offload", torch.optim.AdamW, 8, "cpu")]
+    for label, kind, rounds, offload in variants:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY_GPT))
+        opt = ZeroOptimizer(kind(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True), dist.group.WORLD, stage=1, bucket_bytes=4_000, offload=offload)
+        calls = [0]
+        inner_step = opt.inner.step
+        opt.inner.step = lambda: (calls.__setitem__(0, calls[0] + 1), inner_step())[1]  # type: ignore[method-assign]
+        opt.rounds = rounds
+        generator = torch.Generator().manual_seed(1 + dist.get_rank())  # different data per rank
+        for _ in range(3):
+            tokens = torch.randint(0, TINY_GPT["vocab_size"], (2, 16), generator=generator)
+            logits = model(tokens)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+            opt.grads.after_backward()
+            opt.step()
+        out[label] = {
+            "buckets": len(opt.buckets), "step_rounds": opt.step_rounds, "calls": calls[0],
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        }
+        opt.remove()
+    return out
+
+
 def dp2_world(tmp: str) -> dict[str, Any]:
     checks: dict[str, Any] = {f"parity{s}": (lambda s=s: parity_run(s)) for s in range(4)}
     checks.update({f"bf16_{s}": (lambda s=s: parity_run(s, precision="bf16-mixed")) for s in (1, 2, 3)})
@@ -214,6 +250,7 @@ def dp2_world(tmp: str) -> dict[str, Any]:
     checks["fp16"] = fp16_overflow
     checks["meta"] = meta_init
     checks.update({f"reuse{s}": (lambda s=s: fit_then_evaluate(s)) for s in (2, 3)})
+    checks["step_in_rounds"] = step_in_rounds
     return run_checks(checks)
 
 
@@ -358,3 +395,32 @@ def test_adam_runs_fused_only_where_the_user_left_the_choice() -> None:
     sgd = torch.optim.SGD(param(), lr=0.1)
     prefer_fused_adam(sgd, foreach_otherwise=True)
     assert sgd.param_groups[0]["foreach"] is True and not sgd.param_groups[0].get("fused")
+
+
+def test_zero1_steps_in_rounds_with_the_same_result_as_one_call(dp2):
+    """With several buckets the step can run in rounds (all-gathers launched between them): the inner
+    optimizer is called once per round, and the parameters are bitwise those of one call (offloaded
+    masters too: each round's uploads precede its all-gathers); a custom
+    subclass is called once; CPU ranks default to one call (rounds measured no faster on gloo); after
+    the step every rank holds the same parameters (each round's all-gather was waited for)."""
+    runs = [result_of(r, "step_in_rounds") for r in dp2]
+    for run in runs:
+        auto, rounds, one_call, custom = run["auto"], run["rounds"], run["one_call"], run["custom"]
+        assert rounds["buckets"] > 8 and rounds["step_rounds"] == run["offload"]["step_rounds"] == 8
+        assert rounds["calls"] % 3 == 0 and 2 <= rounds["calls"] // 3 <= 8
+        assert auto["step_rounds"] == one_call["step_rounds"] == custom["step_rounds"] == 1
+        assert auto["calls"] == one_call["calls"] == custom["calls"] == 3
+        assert rounds["params"] == one_call["params"] == custom["params"] == auto["params"] == run["offload"]["params"]
+    assert runs[0]["rounds"]["params"] == runs[1]["rounds"]["params"]
+
+
+def test_step_rounds_are_consecutive_balanced_and_cover_every_bucket() -> None:
+    from lightning_3d.zero.sharded_optimizer import _rounds
+
+    for sizes in ([5] * 20, [1, 100, 1, 1], [3], [10] + [1] * 11, [7, 7, 7]):
+        items = [(i, None, torch.empty(n)) for i, n in enumerate(sizes)]
+        rounds = _rounds(items, 8)  # type: ignore[arg-type]
+        assert [i for r in rounds for i, _, _ in r] == list(range(len(sizes)))  # each once, in order
+        assert all(rounds) and len(rounds) <= min(8, len(sizes))
+    even = _rounds([(i, None, torch.empty(5)) for i in range(16)], 8)  # type: ignore[arg-type]
+    assert [len(r) for r in even] == [2] * 8

@@ -63,9 +63,12 @@ from lightning_3d.tensor_parallel.spec import TPSpec, gather_full, get_spec, seq
 from lightning_3d.testing.strict_comm import mark_host
 from lightning_3d.zero.buckets import DEFAULT_BUCKET_BYTES, BucketedBackward, assign_buckets, bucket_owners, unique_trainable
 from lightning_3d.zero.offload import ChunkAdam, NVMeStateStore, fused_adam_like, host_empty, is_adam
-from lightning_3d.zero.optimizer_kinds import IMPLEMENTATION_KEYS, check_optimizer_layout, prefer_fused_adam
+from lightning_3d.zero.optimizer_kinds import ELEMENTWISE, IMPLEMENTATION_KEYS, check_optimizer_layout, prefer_fused_adam
 
 REDUCE_DTYPE = torch.float32
+# A ZeRO step in rounds (ZeroOptimizer.step_rounds) leaves the last 1/STEP_ROUNDS of its
+# all-gathers and uploads exposed and calls the inner optimizer this many times.
+STEP_ROUNDS = 8
 
 
 def _reduce_scatter(out: Tensor, inp: Tensor, group: dist.ProcessGroup) -> Optional[dist.Work]:
@@ -348,6 +351,7 @@ class ZeroOptimizer:
             raise
         self.state = self.optimizer.state  # Lightning moves/inspects this; ours lives in self.inner
         self._uploads: Optional[Any] = None  # CUDA event after the last step's master -> parameter copies
+        self.rounds: Optional[int] = None  # inner step calls per step; None: step_rounds decides
 
     # -- construction ------------------------------------------------------------------------
     @property
@@ -476,17 +480,23 @@ class ZeroOptimizer:
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = closure() if closure is not None else None
         used = self._used_anywhere()
-        stepped = self._step_nvme(used) if self.store is not None else self._step_in_memory(used)
+        if self.store is not None:
+            gathers = [self._gather(bucket) for bucket in self._step_nvme(used)]
+        else:
+            gathers = self._step_in_memory(used)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  (LR schedulers check it)
-        handles = []
-        for bucket in stepped:
-            if self.stage > 0 and bucket.owners is not None:
-                mine = bucket.slice_of(bucket.param_buf)
-                handles.append(dist.all_gather_into_tensor(bucket.param_buf, mine.clone(), group=bucket.owners, async_op=True))
-        for h in handles:
-            h.wait()
+        for handle in gathers:
+            if handle is not None:
+                handle.wait()
         self.zero_grad()
         return loss
+
+    def _gather(self, bucket: _Bucket) -> Optional[dist.Work]:
+        """Launch the all-gather that gives every owner of ``bucket`` this step's updated slices."""
+        if self.stage == 0 or bucket.owners is None:
+            return None
+        mine = bucket.slice_of(bucket.param_buf)
+        return dist.all_gather_into_tensor(bucket.param_buf, mine.clone(), group=bucket.owners, async_op=True)
 
     def _sync_hyperparameters(self, inner: Optimizer) -> None:
         """The user's current hyper-parameters (a schedule changes ``lr``) into the inner optimizer's
@@ -494,26 +504,56 @@ class ZeroOptimizer:
         for inner_group, group in zip(inner.param_groups, self.optimizer.param_groups):
             inner_group.update({k: v for k, v in group.items() if k not in ("params", *IMPLEMENTATION_KEYS) and k in inner_group})
 
-    def _step_in_memory(self, used: list[list[bool]]) -> list[_Bucket]:
+    def _step_in_memory(self, used: list[list[bool]]) -> list[Optional[dist.Work]]:
+        """Step this rank's segments and launch each stepped bucket's all-gather; the handles to wait on.
+
+        Where there is something to overlap (:attr:`step_rounds`), the inner optimizer steps the
+        buckets in up to that many consecutive rounds of about equal size, and a round's
+        uploads and all-gathers are launched before the next round steps: they run on the network
+        (and, offloaded, on the copy engine) while the next round's update computes, instead of after
+        all of it; only the last round's are left to wait for. Otherwise one call steps every segment.
+        (Rounds, not one call per bucket: each ``step()`` call scans every tensor of the optimizer.)"""
         assert self.inner is not None
         self._await_uploads()
         self._sync_hyperparameters(self.inner)
-        stepped = []
-        for b_idx, bucket, grad in self._indexed_grad_slices():
-            grad = self._like_master(bucket, grad)
-            for segment in bucket.segments:
-                seg = segment.tensor
-                assert seg is not None
-                seg.grad = segment.of(grad).view_as(seg) if used[b_idx][segment.index] else None
-            stepped.append(bucket)
-        self.inner.step()
-        for bucket in stepped:
-            for segment in bucket.segments:
-                segment.tensor.grad = None  # type: ignore[union-attr]
-            mine = bucket.slice_of(bucket.param_buf)
-            if mine.data_ptr() != bucket.master.data_ptr():
-                self._upload(bucket, mine)
-        return stepped
+        slices = list(self._indexed_grad_slices())
+        rounds = _rounds(slices, self.step_rounds)
+        gathers = []
+        for batch in rounds:
+            for b_idx, bucket, grad in batch:
+                grad = self._like_master(bucket, grad)
+                for segment in bucket.segments:
+                    seg = segment.tensor
+                    assert seg is not None
+                    seg.grad = segment.of(grad).view_as(seg) if used[b_idx][segment.index] else None
+            self.inner.step()
+            for _, bucket, _ in batch:
+                for segment in bucket.segments:
+                    segment.tensor.grad = None  # type: ignore[union-attr]
+                mine = bucket.slice_of(bucket.param_buf)
+                if mine.data_ptr() != bucket.master.data_ptr():
+                    self._upload(bucket, mine)
+                gathers.append(self._gather(bucket))
+        return gathers
+
+    @property
+    def step_rounds(self) -> int:
+        """How many inner ``step()`` calls the step is cut into (see :meth:`_step_in_memory`).
+
+        More than one only for torch's own element-wise optimizers, whose ``step()`` touches only the
+        tensors that have a gradient and keeps all state per tensor (a custom optimizer may count steps
+        per call or per group, so it is called once per step, as one process calls it), with more than
+        one bucket, and where a bucket's result leaves the rank (an all-gather, or an upload from host
+        memory). By default only on a GPU: there the all-gathers and uploads run on other engines than
+        the update. On CPU ranks gloo's all-gather is CPU work on the same cores as the update, and the
+        rounds measured no faster (``benchmarks``: ``zero_step_rounds``). Set :attr:`rounds` to choose."""
+        if self.inner is None or type(self.inner) not in ELEMENTWISE or len(self.buckets) < 2:
+            return 1
+        if self.rounds is not None:
+            return max(1, self.rounds)
+        gathers = self.stage > 0 and any(b.owners is not None for b in self.buckets)
+        uploads = self.host is not None
+        return STEP_ROUNDS if self.buckets[0].param_buf.is_cuda and (gathers or uploads) else 1
 
     def _like_master(self, bucket: _Bucket, grad: Tensor) -> Tensor:
         """The gradient slice in the master's dtype and place; offloaded, through the bucket's reused
@@ -839,6 +879,19 @@ class ZeroOptimizer:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _rounds(slices: list[tuple[int, _Bucket, Tensor]], count: int) -> list[list[tuple[int, _Bucket, Tensor]]]:
+    """``slices`` cut into at most ``count`` consecutive runs of about equal numbers of elements."""
+    total = sum(grad.numel() for _, _, grad in slices)
+    rounds: list[list[tuple[int, _Bucket, Tensor]]] = [[]]
+    done = 0
+    for item in slices:
+        if rounds[-1] and done * count >= total * len(rounds):
+            rounds.append([])
+        rounds[-1].append(item)
+        done += item[2].numel()
+    return rounds
 
 
 def _per_element(value: Any, segment: _Segment) -> bool:
