@@ -517,9 +517,13 @@ class ZeroOptimizer:
         self._await_uploads()
         self._sync_hyperparameters(self.inner)
         slices = list(self._indexed_grad_slices())
-        rounds = _rounds(slices, self.step_rounds)
+        if self.host is not None:
+            # Offloaded, every slice comes to its kept host buffer before the first round: a blocking copy
+            # down queued behind the last round's upload would wait for it, undoing the overlap. (In device
+            # memory a dtype change allocates, so there it is done per round: a lower peak.)
+            slices = [(b_idx, bucket, self._like_master(bucket, grad)) for b_idx, bucket, grad in slices]
         gathers = []
-        for batch in rounds:
+        for batch in _rounds(slices, self.step_rounds):
             for b_idx, bucket, grad in batch:
                 grad = self._like_master(bucket, grad)
                 for segment in bucket.segments:
