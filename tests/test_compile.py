@@ -21,7 +21,7 @@ from lightning_3d.parallel.parallelize import apply_compile
 from lightning_3d.testing.harness import run_on_ranks
 from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, tiny_data, tiny_gpt
 
-COUNTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "broadcast")
+COUNTED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "broadcast")
 
 
 def test_compile_keyword_forms_and_refusals():
@@ -144,6 +144,8 @@ def test_collectives_stay_eager_and_losses_match_under_tensor_and_sequence_paral
         assert compiled["frames"] >= 2, "the blocks did not compile"
         # each collective runs as written, between the graphs: the same calls as eager
         assert compiled["counts"] == eager["counts"], (compiled["counts"], eager["counts"])
-        reduce_scatters = eager["counts"].get("reduce_scatter_single", 0) + eager["counts"]["reduce_scatter_tensor"]
-        assert eager["counts"]["all_reduce"] > 0 and eager["counts"]["all_gather_into_tensor"] > 0 and reduce_scatters > 0
+        counts = eager["counts"]
+        reduce_scatters = counts.get("reduce_scatter_single", 0) + counts["reduce_scatter_tensor"]
+        all_gathers = counts.get("all_gather_single", 0) + counts["all_gather_into_tensor"]
+        assert counts["all_reduce"] > 0 and all_gathers > 0 and reduce_scatters > 0
         torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=0)

@@ -49,6 +49,16 @@ _HOST_SNIPPETS = _as_library_code(
         mark_host(state, "offloaded optimizer state")
         dist.all_reduce(state.pow(2).sum())
 
+    def offloaded_reduce_scatter(device):
+        grads = torch.ones(4, device=device)
+        mark_host(grads, "a gradient bucket in host memory")
+        dist.reduce_scatter_single(torch.empty(2, device=device), grads)  # torch 2.13's name
+
+    def offloaded_all_gather(device):
+        shard = torch.ones(2, device=device)
+        mark_host(shard, "a parameter shard in host memory")
+        dist.all_gather_single(torch.empty(4, device=device), shard)
+
     def offloaded_dtensor(device):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -88,6 +98,8 @@ def _rule_a_world() -> dict[str, Any]:
         "p2p header": lambda: _expect_refusal(s["p2p_header"], device),
         "offloaded state": lambda: _expect_refusal(s["offloaded_state"], device),
         "offloaded dtensor": lambda: _expect_refusal(s["offloaded_dtensor"], device),
+        "offloaded reduce_scatter_single": lambda: _expect_refusal(s["offloaded_reduce_scatter"], device),
+        "offloaded all_gather_single": lambda: _expect_refusal(s["offloaded_all_gather"], device),
         "correct": lambda: s["correct"](device),
         "test code is not library code": lambda: (dist.all_reduce(torch.zeros(1)), "accepted")[-1],
     }
@@ -116,6 +128,8 @@ def test_gloo_alone_accepts_host_tensors(rule_a: list[dict[str, Any]]) -> None:
         ("p2p header", "snippet.py:16 (torch.zeros without device=)"),
         ("offloaded state", "offloaded optimizer state"),
         ("offloaded dtensor", "a ZeRO-3 shard offloaded to the host"),
+        ("offloaded reduce_scatter_single", "a gradient bucket in host memory"),
+        ("offloaded all_gather_single", "a parameter shard in host memory"),
     ],
 )
 def test_host_tensor_refused_with_its_call_site(rule_a: list[dict[str, Any]], check: str, site: str) -> None:

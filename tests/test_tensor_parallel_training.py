@@ -112,10 +112,10 @@ def sharded_init_equals_dense() -> float:
 class CollectiveCounter:
     """Counts tp collectives by kind, by patching torch.distributed while active."""
 
-    NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_single", "reduce_scatter_tensor")
 
     def __init__(self) -> None:
-        self.counts = {n: 0 for n in self.NAMES}
+        self.counts = {n: 0 for n in self.NAMES}  # (a name this torch lacks stays 0)
         self._originals = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
 
     def __enter__(self) -> "CollectiveCounter":
@@ -133,7 +133,7 @@ class CollectiveCounter:
     def snapshot(self) -> dict[str, int]:
         out = dict(self.counts)
         out["reduce_scatter"] = out.pop("reduce_scatter_single") + out.pop("reduce_scatter_tensor")
-        out["all_gather"] = out.pop("all_gather_into_tensor")
+        out["all_gather"] = out.pop("all_gather_into_tensor") + out.pop("all_gather_single")
         return out
 
 

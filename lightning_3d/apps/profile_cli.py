@@ -118,15 +118,16 @@ def measure_rank(
 
 def gather_and_scatter(nbytes: int, world: int, best: Any, device: Any) -> dict[str, dict[str, float]]:
     """The all-gather and reduce-scatter of ``nbytes`` (the gathered output, the scattered input) as
-    sequence parallelism and ZeRO issue them (``*_into_tensor`` / ``*_tensor``), with the bus bandwidth
+    sequence parallelism and ZeRO issue them (flat tensors, ``core.distributed``), with the bus bandwidth
     nccl-tests reports: (n - 1) / n x bytes / seconds. Gloo runs them well below its all-reduce."""
     import torch
-    import torch.distributed as dist
+
+    from lightning_3d.core.distributed import all_gather_flat, reduce_scatter_flat
 
     full = torch.zeros(max(world, nbytes // 4 // world * world), device=device)
     part = torch.zeros(full.numel() // world, device=device)
     out: dict[str, dict[str, float]] = {}
-    for kind, call in (("all_gather", lambda: dist.all_gather_into_tensor(full, part)), ("reduce_scatter", lambda: dist.reduce_scatter_tensor(part, full))):
+    for kind, call in (("all_gather", lambda: all_gather_flat(full, part)), ("reduce_scatter", lambda: reduce_scatter_flat(part, full))):
         seconds = best(call)
         out[kind] = {"bytes": full.numel() * 4, "seconds": seconds, "bus_gb_per_s": (world - 1) / world * full.numel() * 4 / seconds / 1e9}
     return out

@@ -19,6 +19,21 @@ def current_compute_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def all_gather_flat(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
+    """Every rank's ``input`` into ``output``, in rank order. torch 2.13 renamed
+    ``all_gather_into_tensor`` to ``all_gather_single`` (the old name warns); looked up per call, since
+    strict communication mode patches both."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
+    """The sum of every rank's ``input``, this rank's block of it into ``output`` (torch 2.13's
+    ``reduce_scatter_single``; ``reduce_scatter_tensor`` before it)."""
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return reduce_scatter(output, input, group=group, async_op=async_op)
+
+
 def broadcast_tensors(tensors: Iterable[Tensor], group: dist.ProcessGroup, src: int, device: Optional[torch.device] = None) -> None:
     """Broadcast ``tensors`` in place from global rank ``src``, one flat message per (device, dtype).
     ``device``: where the message travels (the compute device; NCCL refuses host tensors, e.g. CPU-

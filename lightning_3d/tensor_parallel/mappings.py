@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_3d.core.distributed import all_gather_flat, reduce_scatter_flat
 from lightning_3d.core.eager import communicates
 
 SEQUENCE_DIM = -2
@@ -63,7 +64,7 @@ def gather_along(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     world = _world(group)
     x = x.contiguous()
     flat = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(flat, x, group=group)
+    all_gather_flat(flat, x, group=group)
     # (world, ..., d, ...) -> (..., world * d, ...)
     dim = dim % x.dim()
     return flat.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
@@ -74,7 +75,7 @@ def start_gather_along_first(x: Tensor, group: dist.ProcessGroup) -> tuple[Tenso
     The output is ``(world * x.shape[0], ...)`` on ``x``'s device; call ``work.wait()`` before reading it."""
     world = _world(group)
     flat = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_gather_into_tensor(flat, x, group=group, async_op=True)
+    work = all_gather_flat(flat, x, group=group, async_op=True)
     return flat, work
 
 
@@ -93,8 +94,7 @@ def reduce_scatter_along(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tenso
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {world}.")
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    reduce_scatter(out, moved, group=group)
+    reduce_scatter_flat(out, moved, group=group)
     return out.movedim(0, dim)
 
 

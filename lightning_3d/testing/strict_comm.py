@@ -548,7 +548,9 @@ _COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
     "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
     "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
+    "all_gather_single", "reduce_scatter_single",  # torch 2.13's names; the older ones call these
 )  # fmt: skip
+_INSIDE = threading.local()  # a checked collective that calls another (a deprecated name) is checked once
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 # torch.distributed._functional_collectives: what DTensor (full_tensor, redistribute) and FSDP2's
 # helpers call; checked for host tensors (rule a) like c10d's own
@@ -579,12 +581,18 @@ def _collective(name: str) -> Callable:
     signature = inspect.signature(original)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_INSIDE, "name", None) is not None:
+            return original(*args, **kwargs)
         check_device(name, [a for a in (*args, *kwargs.values()) if isinstance(a, (Tensor, list, tuple))])
         engine = _state.engine
         if engine is not None and engine.live:
             group = signature.bind_partial(*args, **kwargs).arguments.get("group")
             engine.before_collective(group if group is not None else c10d._get_default_group(), name)
-        return original(*args, **kwargs)
+        _INSIDE.name = name
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _INSIDE.name = None
 
     wrapper.__name__ = wrapper.__qualname__ = name
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]

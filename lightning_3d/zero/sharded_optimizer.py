@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
-from lightning_3d.core.distributed import current_compute_device
+from lightning_3d.core.distributed import all_gather_flat, current_compute_device, reduce_scatter_flat
 from lightning_3d.core.finite import any_nonfinite
 from lightning_3d.core.param_meta import is_pipeline_duplicate
 from lightning_3d.tensor_parallel.mappings import gather_along
@@ -69,11 +69,6 @@ REDUCE_DTYPE = torch.float32
 # A ZeRO step in rounds (ZeroOptimizer.step_rounds) leaves the last 1/STEP_ROUNDS of its
 # all-gathers and uploads exposed and calls the inner optimizer this many times.
 STEP_ROUNDS = 8
-
-
-def _reduce_scatter(out: Tensor, inp: Tensor, group: dist.ProcessGroup) -> Optional[dist.Work]:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group, async_op=True)
 
 
 @dataclass
@@ -218,7 +213,7 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         if self.stage == 0:
             return dist.all_reduce(send, group=bucket.owners, async_op=True)
         bucket.recv = torch.empty(bucket.shard_size, dtype=REDUCE_DTYPE, device=send.device)
-        return _reduce_scatter(bucket.recv, send, bucket.owners)
+        return reduce_scatter_flat(bucket.recv, send, group=bucket.owners, async_op=True)
 
     def _complete(self, bucket: _Bucket) -> None:
         reduced = bucket.send if self.stage == 0 else bucket.recv  # stage 0: the slice is the whole bucket
@@ -496,7 +491,7 @@ class ZeroOptimizer:
         if self.stage == 0 or bucket.owners is None:
             return None
         mine = bucket.slice_of(bucket.param_buf)
-        return dist.all_gather_into_tensor(bucket.param_buf, mine.clone(), group=bucket.owners, async_op=True)
+        return all_gather_flat(bucket.param_buf, mine.clone(), group=bucket.owners, async_op=True)
 
     def _sync_hyperparameters(self, inner: Optimizer) -> None:
         """The user's current hyper-parameters (a schedule changes ``lr``) into the inner optimizer's
