@@ -13,6 +13,7 @@
           | full12_24            the same 12 steps at a global batch of 24, uninterrupted (the reference)
           | slurm                the sigterm run (0.4 s steps in the first attempt only) as one rank of a SLURM job (SLURM_* variables set by the test, no
                                  launcher), with ckpt_path="last" (a requeued job resumes from the signal's checkpoint)
+    $COMPILE, when set, is the strategy's compile= (a torch.compile backend, e.g. aot_eager).
 
 With RANK in the environment the process is one rank of a job started by hand, by torchrun or by
 the test harness (tests.helpers.run_fault_worker: a reference run without fresh processes); without
@@ -98,7 +99,7 @@ trainer = quiet_trainer(
     limit_val_batches=0,
     enable_checkpointing=mode != "slow",  # (slow runs until killed: no pile of checkpoints)
     callbacks=[Record()] + ([] if mode == "slow" else [checkpoint]),
-    strategy=ThreeDParallelStrategy(timeout=timeout),
+    strategy=ThreeDParallelStrategy(timeout=timeout, compile=os.environ.get("COMPILE") or False),  # COMPILE: a backend
     **({} if launched_by_hand and not devices else {"devices": devices or 2, "num_nodes": 1}),
 )
 # a job's DEVICES sets its batch (2 a rank), also when a test's harness runs it as a reference
