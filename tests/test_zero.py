@@ -211,6 +211,8 @@ class CustomAdamW(torch.optim.AdamW):
 
 
 def step_in_rounds() -> dict[str, Any]:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 
     out: dict[str, Any] = {}
@@ -219,6 +221,7 @@ def step_in_rounds() -> dict[str, Any]:
     for label, kind, rounds, offload in variants:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY_GPT))
+        model.unused = torch.nn.Linear(8, 8)  # never in the forward: its segments step with grad None in their round
         opt = ZeroOptimizer(kind(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True), dist.group.WORLD, stage=1, bucket_bytes=4_000, offload=offload)
         calls = [0]
         inner_step = opt.inner.step
@@ -231,10 +234,21 @@ def step_in_rounds() -> dict[str, Any]:
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
             opt.grads.after_backward()
             opt.step()
+        hook = register_optimizer_step_post_hook(lambda *_: None)
+        with_global_hook = opt.step_rounds
+        hook.remove()
         out[label] = {
-            "buckets": len(opt.buckets), "step_rounds": opt.step_rounds, "calls": calls[0],
+            "buckets": len(opt.buckets), "step_rounds": opt.step_rounds, "calls": calls[0], "with_global_hook": with_global_hook,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
         }
+        if label == "rounds":  # a round that raises leaves no gradient view behind for a later step
+            opt.inner.step = lambda: (calls.__setitem__(0, calls[0] + 1), calls[0] % 2 or 1 / 0)[1]  # type: ignore[method-assign]
+            model(tokens).sum().backward()
+            opt.grads.after_backward()
+            try:
+                opt.step()
+            except ZeroDivisionError:
+                out[label]["stale_after_failure"] = sum(s.tensor.grad is not None for b in opt.buckets for s in b.segments)
         opt.remove()
     return out
 
@@ -407,6 +421,8 @@ def test_zero1_steps_in_rounds_with_the_same_result_as_one_call(dp2):
     for run in runs:
         auto, rounds, one_call, custom = run["auto"], run["rounds"], run["one_call"], run["custom"]
         assert rounds["buckets"] > 8 and rounds["step_rounds"] == run["offload"]["step_rounds"] == 8
+        assert rounds["with_global_hook"] == 1  # a hook on every optimizer's step() would run per round
+        assert rounds["stale_after_failure"] == 0
         assert rounds["calls"] % 3 == 0 and 2 <= rounds["calls"] // 3 <= 8
         assert auto["step_rounds"] == one_call["step_rounds"] == custom["step_rounds"] == 1
         assert auto["calls"] == one_call["calls"] == custom["calls"] == 3
@@ -417,7 +433,7 @@ def test_zero1_steps_in_rounds_with_the_same_result_as_one_call(dp2):
 def test_step_rounds_are_consecutive_balanced_and_cover_every_bucket() -> None:
     from lightning_3d.zero.sharded_optimizer import _rounds
 
-    for sizes in ([5] * 20, [1, 100, 1, 1], [3], [10] + [1] * 11, [7, 7, 7]):
+    for sizes in ([5] * 20, [1, 100, 1, 1], [3], [10] + [1] * 11, [7, 7, 7], [0] * 12):
         items = [(i, None, torch.empty(n)) for i, n in enumerate(sizes)]
         rounds = _rounds(items, 8)  # type: ignore[arg-type]
         assert [i for r in rounds for i, _, _ in r] == list(range(len(sizes)))  # each once, in order

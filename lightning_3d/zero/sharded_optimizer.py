@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
+from torch.optim import optimizer as _optimizer_hooks
 
 from lightning_3d.core.distributed import all_gather_flat, current_compute_device, reduce_scatter_flat
 from lightning_3d.core.finite import any_nonfinite
@@ -518,22 +519,33 @@ class ZeroOptimizer:
             # memory a dtype change allocates, so there it is done per round: a lower peak.)
             slices = [(b_idx, bucket, self._like_master(bucket, grad)) for b_idx, bucket, grad in slices]
         gathers = []
-        for batch in _rounds(slices, self.step_rounds):
-            for b_idx, bucket, grad in batch:
-                grad = self._like_master(bucket, grad)
-                for segment in bucket.segments:
-                    seg = segment.tensor
-                    assert seg is not None
-                    seg.grad = segment.of(grad).view_as(seg) if used[b_idx][segment.index] else None
-            self.inner.step()
-            for _, bucket, _ in batch:
-                for segment in bucket.segments:
-                    segment.tensor.grad = None  # type: ignore[union-attr]
-                mine = bucket.slice_of(bucket.param_buf)
-                if mine.data_ptr() != bucket.master.data_ptr():
-                    self._upload(bucket, mine)
-                gathers.append(self._gather(bucket))
+        try:
+            for batch in _rounds(slices, self.step_rounds):
+                for b_idx, bucket, grad in batch:
+                    grad = self._like_master(bucket, grad)
+                    for segment in bucket.segments:
+                        seg = segment.tensor
+                        assert seg is not None
+                        seg.grad = segment.of(grad).view_as(seg) if used[b_idx][segment.index] else None
+                self.inner.step()
+                for _, bucket, _ in batch:
+                    self._clear_segment_grads(bucket)
+                    mine = bucket.slice_of(bucket.param_buf)
+                    if mine.data_ptr() != bucket.master.data_ptr():
+                        self._upload(bucket, mine)
+                    gathers.append(self._gather(bucket))
+        except BaseException:
+            # No segment keeps a gradient view past a failed step (a later step would apply it again). The
+            # parameters are then partly updated and gathered, as after any optimizer that raises mid-step.
+            for _, bucket, _ in slices:
+                self._clear_segment_grads(bucket)
+            raise
         return gathers
+
+    @staticmethod
+    def _clear_segment_grads(bucket: _Bucket) -> None:
+        for segment in bucket.segments:
+            segment.tensor.grad = None  # type: ignore[union-attr]
 
     @property
     def step_rounds(self) -> int:
@@ -541,13 +553,16 @@ class ZeroOptimizer:
 
         More than one only for torch's own element-wise optimizers, whose ``step()`` touches only the
         tensors that have a gradient and keeps all state per tensor (a custom optimizer may count steps
-        per call or per group, so it is called once per step, as one process calls it), with more than
+        per call or per group, so it is called once per step, as one process calls it; so is any optimizer
+        while global step hooks are registered), with more than
         one bucket, and where a bucket's result leaves the rank (an all-gather, or an upload from host
         memory). By default only on a GPU: there the all-gathers and uploads run on other engines than
         the update. On CPU ranks gloo's all-gather is CPU work on the same cores as the update, and the
         rounds measured no faster (``benchmarks``: ``zero_step_rounds``). Set :attr:`rounds` to choose."""
         if self.inner is None or type(self.inner) not in ELEMENTWISE or len(self.buckets) < 2:
             return 1
+        if _optimizer_hooks._global_optimizer_pre_hooks or _optimizer_hooks._global_optimizer_post_hooks:
+            return 1  # hooks registered for every optimizer's step() would run once per round
         if self.rounds is not None:
             return max(1, self.rounds)
         gathers = self.stage > 0 and any(b.owners is not None for b in self.buckets)
@@ -886,7 +901,7 @@ def _rounds(slices: list[tuple[int, _Bucket, Tensor]], count: int) -> list[list[
     rounds: list[list[tuple[int, _Bucket, Tensor]]] = [[]]
     done = 0
     for item in slices:
-        if rounds[-1] and done * count >= total * len(rounds):
+        if rounds[-1] and total and done * count >= total * len(rounds):
             rounds.append([])
         rounds[-1].append(item)
         done += item[2].numel()
