@@ -1,9 +1,12 @@
 """Every multi-rank test runs under NCCL's rules (lightning_3d/testing/strict_comm.py): the harness's worlds,
-and ranks that Lightning or torchrun launch (they inherit the variable and the strategy reads it)."""
+and ranks that Lightning or torchrun launch (they inherit the variable and the strategy reads it). ZeRO
+1-2 step in rounds there, as on a GPU."""
 
 import os
 
 os.environ.setdefault("LIGHTNING_3D_STRICT_COMM", "1")
+# ZeRO 1-2 step in rounds on CPU ranks too: the path GPUs take by default (ZeroOptimizer.step_rounds)
+os.environ.setdefault("LIGHTNING_3D_ZERO_ROUNDS_ON_CPU", "1")
 
 import pytest
 

@@ -4,6 +4,7 @@ from live tensors, checkpoints, several optimizers, any torch optimizer, fp16 ov
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,11 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_3d import ThreeDParallelStrategy
 from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.plugins.precision import ThreeDPrecision
 from lightning_3d.testing.harness import run_on_ranks
+from lightning_3d.zero.sharded_optimizer import ROUNDS_ON_CPU_ENV, ZeroOptimizer, _rounds
 from tests.helpers import TINY_GPT, LossRecorder, param_checksum, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_data_parallel import TinyGAN
 
@@ -211,10 +214,15 @@ class CustomAdamW(torch.optim.AdamW):
 
 
 def step_in_rounds() -> dict[str, Any]:
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    saved = os.environ.pop(ROUNDS_ON_CPU_ENV, None)  # "auto": what CPU ranks do outside the test suite
+    try:
+        return _step_in_rounds()
+    finally:
+        if saved is not None:
+            os.environ[ROUNDS_ON_CPU_ENV] = saved
 
-    from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
 
+def _step_in_rounds() -> dict[str, Any]:
     out: dict[str, Any] = {}
     variants = [("auto", torch.optim.AdamW, None, "none"), ("rounds", torch.optim.AdamW, 8, "none"), ("one_call", torch.optim.AdamW, 1, "none")]
     variants += [("custom", CustomAdamW, 8, "none"), ("offload", torch.optim.AdamW, 8, "cpu")]
@@ -237,8 +245,13 @@ def step_in_rounds() -> dict[str, Any]:
         hook = register_optimizer_step_post_hook(lambda *_: None)
         with_global_hook = opt.step_rounds
         hook.remove()
+        cpu_default = opt.step_rounds  # without the test suite's variable
+        os.environ[ROUNDS_ON_CPU_ENV] = "1"
+        suite_default = opt.step_rounds
+        os.environ.pop(ROUNDS_ON_CPU_ENV)
         out[label] = {
             "buckets": len(opt.buckets), "step_rounds": opt.step_rounds, "calls": calls[0], "with_global_hook": with_global_hook,
+            "cpu_default": cpu_default, "suite_default": suite_default,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
         }
         if label == "rounds":  # a round that raises leaves no gradient view behind for a later step
@@ -422,6 +435,7 @@ def test_zero1_steps_in_rounds_with_the_same_result_as_one_call(dp2):
         auto, rounds, one_call, custom = run["auto"], run["rounds"], run["one_call"], run["custom"]
         assert rounds["buckets"] > 8 and rounds["step_rounds"] == run["offload"]["step_rounds"] == 8
         assert rounds["with_global_hook"] == 1  # a hook on every optimizer's step() would run per round
+        assert auto["cpu_default"] == 1 and auto["suite_default"] == 8  # the suite runs the GPU's rounds
         assert rounds["stale_after_failure"] == 0
         assert rounds["calls"] % 3 == 0 and 2 <= rounds["calls"] // 3 <= 8
         assert auto["step_rounds"] == one_call["step_rounds"] == custom["step_rounds"] == 1
@@ -431,8 +445,6 @@ def test_zero1_steps_in_rounds_with_the_same_result_as_one_call(dp2):
 
 
 def test_step_rounds_are_consecutive_balanced_and_cover_every_bucket() -> None:
-    from lightning_3d.zero.sharded_optimizer import _rounds
-
     for sizes in ([5] * 20, [1, 100, 1, 1], [3], [10] + [1] * 11, [7, 7, 7], [0] * 12):
         items = [(i, None, torch.empty(n)) for i, n in enumerate(sizes)]
         rounds = _rounds(items, 8)  # type: ignore[arg-type]

@@ -44,6 +44,7 @@ call per bucket instead of one per parameter from their hooks (``docs/architectu
 from __future__ import annotations
 
 import copy
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ REDUCE_DTYPE = torch.float32
 # A ZeRO step in rounds (ZeroOptimizer.step_rounds) leaves the last 1/STEP_ROUNDS of its
 # all-gathers and uploads exposed and calls the inner optimizer this many times.
 STEP_ROUNDS = 8
+ROUNDS_ON_CPU_ENV = "LIGHTNING_3D_ZERO_ROUNDS_ON_CPU"  # "1": CPU ranks step in rounds too (the test suite)
 
 
 @dataclass
@@ -556,9 +558,11 @@ class ZeroOptimizer:
         per call or per group, so it is called once per step, as one process calls it; so is any optimizer
         while global step hooks are registered), with more than
         one bucket, and where a bucket's result leaves the rank (an all-gather, or an upload from host
-        memory). By default only on a GPU: there the all-gathers and uploads run on other engines than
-        the update. On CPU ranks gloo's all-gather is CPU work on the same cores as the update, and the
-        rounds measured no faster (``benchmarks``: ``zero_step_rounds``). Set :attr:`rounds` to choose."""
+        memory). By default only on a GPU (and on the meta device, where the dry run stands in for one):
+        there the all-gathers and uploads run on other engines than the update. On CPU ranks gloo's
+        all-gather is CPU work on the same cores as the update, and the rounds measured no faster
+        (``benchmarks``: ``zero_step_rounds``); ``LIGHTNING_3D_ZERO_ROUNDS_ON_CPU=1`` runs them there too
+        (the test suite does, so the GPU's path is the one tested). Set :attr:`rounds` to choose."""
         if self.inner is None or type(self.inner) not in ELEMENTWISE or len(self.buckets) < 2:
             return 1
         if _optimizer_hooks._global_optimizer_pre_hooks or _optimizer_hooks._global_optimizer_post_hooks:
@@ -567,7 +571,9 @@ class ZeroOptimizer:
             return max(1, self.rounds)
         gathers = self.stage > 0 and any(b.owners is not None for b in self.buckets)
         uploads = self.host is not None
-        return STEP_ROUNDS if self.buckets[0].param_buf.is_cuda and (gathers or uploads) else 1
+        device = self.buckets[0].param_buf.device
+        gpu_like = device.type in ("cuda", "meta") or os.environ.get(ROUNDS_ON_CPU_ENV) == "1"
+        return STEP_ROUNDS if gpu_like and (gathers or uploads) else 1
 
     def _like_master(self, bucket: _Bucket, grad: Tensor) -> Tensor:
         """The gradient slice in the master's dtype and place; offloaded, through the bucket's reused
