@@ -58,6 +58,7 @@ class Case:
     compile: bool = False  # torch.compile of each block (inductor), as ThreeDParallelStrategy(compile=True)
     peer: str = ""  # another stack's run of the layout (benchmarks/gpu_peers.py): "deepspeed" or "fsdp2"
     step_rounds: Optional[int] = None  # ZeRO 1-2's inner step calls per step (None: ZeroOptimizer.step_rounds decides)
+    variant_of: str = ""  # the case this one runs otherwise (the verdict's "variants": speed and losses side by side)
 
     @property
     def ours(self) -> str:
@@ -75,7 +76,7 @@ CASES = [
     Case("zero3", 3, proves="ZeRO-3: FSDP2 fully_shard with bf16 compute on CUDA"),
     Case("zero2_offload_cpu", 2, offload="cpu", proves="ZeRO-Offload: pinned host masters, fused CPU AdamW, copies back"),
     Case(
-        "zero2_offload_cpu_one_call", 2, offload="cpu", step_rounds=1,
+        "zero2_offload_cpu_one_call", 2, offload="cpu", step_rounds=1, variant_of="zero2_offload_cpu",
         proves="ZeRO-Offload with the host step in one call, every upload after it: against zero2_offload_cpu's rounds",
     ),
     Case("zero3_offload_cpu", 3, offload="cpu", proves="FSDP2 CPUOffloadPolicy: parameters, gradients and the step on the host"),
@@ -555,7 +556,28 @@ def compare(results: list[dict[str, Any]], rtol: float) -> dict[str, Any]:
         "predictions_missing": [r["case"] for r in results if "step_s" not in (r.get("predicted") or {}) and not r.get("not_run")],
         # reported, not failed: the other stacks' runs of the same layouts (a peer's crash is not ours)
         "peers": peer_comparison(results, diffs, rtol),
+        # reported: a case against its variant (the same layout run another way), e.g. the step in rounds vs one call
+        "variants": variant_comparison(results),
     }
+
+
+def variant_comparison(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant case that ran beside its base: base / variant tokens per second (above 1: the base's
+    way is faster), the largest relative difference between their losses (the same arithmetic gives 0
+    up to the GPU kernels' own nondeterminism), and the ZeRO step rounds each ran."""
+    by_name = {r["case"]: r for r in results if r.get("ok")}
+    out: dict[str, Any] = {}
+    for r in results:
+        base_name = CASE_BY_NAME[r["case"]].variant_of
+        base = by_name.get(base_name)
+        if not base_name or base is None or not r.get("ok"):
+            continue
+        entry: dict[str, Any] = {"of": base_name, "step_rounds": [base.get("step_rounds"), r.get("step_rounds")]}
+        entry["speed_ratio"] = round(base["tokens_per_s"] / r["tokens_per_s"], 3) if base.get("tokens_per_s") and r.get("tokens_per_s") else None
+        if len(base["losses"]) == len(r["losses"]):
+            entry["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"]))
+        out[r["case"]] = entry
+    return out
 
 
 def peer_comparison(results: list[dict[str, Any]], diffs: dict[str, Optional[float]], rtol: float) -> dict[str, Any]:

@@ -115,6 +115,15 @@ def test_verdict_fails_a_case_that_failed_or_disagrees() -> None:
     no_reference = [{"case": "zero0", "ok": False, "error": "x"}, _case(case="zero1")]
     assert not gpu_check.compare(no_reference, rtol)["passed"]
 
+    # a variant beside its base: speeds and losses side by side, reported, never failed
+    rounds = _case(case="zero2_offload_cpu", tokens_per_s=120.0, step_rounds=8)
+    one_call = _case(case="zero2_offload_cpu_one_call", tokens_per_s=100.0, step_rounds=1, losses=[6.0, 5.5, 5.01])
+    verdict = gpu_check.compare([*good, rounds, one_call], rtol)
+    variant = verdict["variants"]["zero2_offload_cpu_one_call"]
+    assert verdict["passed"] and variant["of"] == "zero2_offload_cpu" and variant["step_rounds"] == [8, 1]
+    assert variant["speed_ratio"] == 1.2 and variant["max_rel_diff"] == pytest.approx(0.01 / 5.0)
+    assert gpu_check.compare(good, rtol)["variants"] == {}  # the base did not run: nothing to compare
+
 
 def test_a_hanging_case_is_reported_not_waited_for() -> None:
     args = gpu_check.parse_args(["--cpu-dry-run", "--case-timeout", "0.5"])
