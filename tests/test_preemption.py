@@ -109,8 +109,8 @@ def test_the_interrupted_checkpoint_resumes_exactly(interrupted, uninterrupted):
 @pytest.mark.slow
 def test_sigterm_to_a_compiled_run_checkpoints_and_resumes_exactly(tmp_path, uninterrupted):
     """The same with every block under torch.compile (aot_eager: dynamo's frames and graphs, without
-    inductor's C++ build): the checkpoint written at the signal holds the compiled blocks' weights
-    under their own names, and the resumed job compiles again and continues exactly. (The signal
+    inductor's C++ build): the checkpoint written at the signal loads into a fresh compiled job, which
+    continues with the uninterrupted (eager) run's losses. (The signal
     lands mostly in the steps' 0.4 s sleep in a callback, as a scheduler's lands anywhere in a step.)"""
     job = Job(tmp_path / "compiled", "sigterm", 2, COMPILE="aot_eager")
     try:

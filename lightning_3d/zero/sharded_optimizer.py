@@ -4,7 +4,8 @@ Each optimizer parameter group is packed, in gradient-ready order, into fixed-si
 bucket owns a flat buffer in the compute dtype; the model's parameters become views into it.
 Every bucket is split evenly over the data-parallel ranks (Megatron's distributed-optimizer
 layout), so one reduce-scatter per bucket leaves each rank the averaged gradient of its slice,
-and one all-gather per bucket after the step returns the updated slices to everyone: 2 psi of
+and one all-gather per bucket returns the updated slices to everyone (launched per round of buckets
+inside the step, all finished when it returns: :meth:`ZeroOptimizer._step_in_memory`): 2 psi of
 traffic per step, like DDP.
 
 The user's optimizer object is kept (Lightning, LR schedulers and ``toggle_optimizer`` keep
