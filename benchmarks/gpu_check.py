@@ -517,15 +517,14 @@ def loss_differences(results: list[dict[str, Any]]) -> dict[str, Optional[float]
     """Per case, the largest relative difference of its losses from the reference's over the steps
     (None where either did not run; infinity if they ran different step counts)."""
     ref = next((r for r in results if r["case"] == REFERENCE and r.get("ok")), None)
-    out: dict[str, Optional[float]] = {}
-    for r in results:
-        if ref is None or not r.get("ok"):
-            out[r["case"]] = None
-        elif len(r["losses"]) != len(ref["losses"]):
-            out[r["case"]] = float("inf")
-        else:
-            out[r["case"]] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
-    return out
+    return {r["case"]: None if ref is None or not r.get("ok") else relative_gap(r["losses"], ref["losses"]) for r in results}
+
+
+def relative_gap(losses: list[float], reference: list[float]) -> float:
+    """The largest ``|loss - reference| / |reference|`` over the steps; infinity if the step counts differ."""
+    if len(losses) != len(reference):
+        return float("inf")
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
 def compare(results: list[dict[str, Any]], rtol: float) -> dict[str, Any]:
@@ -574,8 +573,9 @@ def variant_comparison(results: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         entry: dict[str, Any] = {"of": base_name, "step_rounds": [base.get("step_rounds"), r.get("step_rounds")]}
         entry["speed_ratio"] = round(base["tokens_per_s"] / r["tokens_per_s"], 3) if base.get("tokens_per_s") and r.get("tokens_per_s") else None
-        if len(base["losses"]) == len(r["losses"]):
-            entry["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"]))
+        gap = relative_gap(r["losses"], base["losses"])
+        if gap != float("inf"):
+            entry["max_rel_diff"] = gap
         out[r["case"]] = entry
     return out
 
