@@ -48,7 +48,7 @@ PEERS_STAMP := $(PEERS)/.installed
 PEER_PKGS   ?= deepspeed==0.19.8 torchtitan==0.3.0 ninja triton
 
 bench-peers: $(PEERS_STAMP)
-	$(PY) benchmarks/run.py --cases deepspeed_zero_stages torchtitan_llama $(ARGS)
+	$(PY) benchmarks/run.py --cases deepspeed_zero_stages torchtitan_llama torchtitan_pipeline $(ARGS)
 
 $(PEERS_STAMP): pyproject.toml $(STAMP)
 	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)

@@ -67,6 +67,9 @@ def _strategy(spec: Any) -> tuple[Any, type[GPTModule]]:
             "guard": "replica_check_every",
             "sp": "sequence_parallel",
             "compile": "compile",  # a backend name: regional torch.compile of the blocks
+            "schedule": "pipeline_schedule",
+            "mb": "micro_batches",
+            "vs": "virtual_stages",
         }
         kwargs = {k: {"off": None, "true": True}.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
         return ThreeDParallelStrategy(**{names[k]: v for k, v in kwargs.items()}), GPTModule
@@ -660,6 +663,23 @@ def torchtitan_llama(steps: int, repeats: int) -> dict[str, Any]:
         "fsdp_tp": ("3d:dp=2,tp=2,zero=3", 4, "torchtitan_run.py", ["--tp", "2"]),
     }
     return compare("torchtitan_llama", pairs, steps, repeats, global_batch=16, dims=LLAMA_BENCH_GPT)
+
+
+@case
+def torchtitan_pipeline(steps: int, repeats: int) -> dict[str, Any]:
+    """Ours vs torchtitan 0.3.0's pipeline (its ``pipeline_llm`` split and torch's schedules) on the same
+    Llama-style GPT weights, data, batch and fp32 AdamW: pp=2, 8 micro-batches of 2, at 1F1B, interleaved
+    1F1B (2 chunks per rank) and ZB-V, the same blocks on each stage (issue 36; needs `make bench-peers`)."""
+    from peer_cases import compare
+
+    pairs = {
+        "1f1b": ("3d:pp=2,schedule=1f1b,mb=8", 2, "torchtitan_run.py", ["--schedule", "1F1B"]),
+        "interleaved_1f1b": ("3d:pp=2,schedule=interleaved_1f1b,vs=2,mb=8", 2, "torchtitan_run.py", ["--schedule", "Interleaved1F1B"]),
+        "zb_v": ("3d:pp=2,schedule=zb_v,mb=8", 2, "torchtitan_run.py", ["--schedule", "ZBVZeroBubble"]),
+    }
+    for *_, args in pairs.values():
+        args += ["--microbatches", "8"]
+    return compare("torchtitan_pipeline", pairs, steps, repeats, global_batch=16, dims=LLAMA_BENCH_GPT)
 
 
 @case

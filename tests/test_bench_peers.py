@@ -40,7 +40,7 @@ def bench():
 def test_peer_cases_report_why_they_did_not_run(bench, monkeypatch):
     cases, _ = bench
     monkeypatch.setenv("L3D_PEERS_PYTHON", "/nonexistent/python")
-    for name in ("deepspeed_zero_stages", "torchtitan_llama"):
+    for name in ("deepspeed_zero_stages", "torchtitan_llama", "torchtitan_pipeline"):
         result = cases.CASES[name](1, 1)
         assert result["case"] == name and "make bench-peers" in result["not_run"]
 
@@ -52,3 +52,11 @@ def test_our_llama_weights_map_onto_torchtitans_names(bench):
     assert {k: tuple(v.shape) for k, v in mapped.items()} == TORCHTITAN_KEYS
     with pytest.raises(KeyError, match="blocks.0.mystery"):
         torchtitan_run.our_keys_to_torchtitan({"blocks.0.mystery.weight": state["lm_head.weight"]})
+
+
+def test_torchtitan_stages_hold_our_uniform_cut(bench):
+    _, torchtitan_run = bench
+    assert torchtitan_run.stage_modules(4, 2) == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "lm_head"]]
+    assert torchtitan_run.stage_modules(5, 4) == [
+        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2"], ["layers.3"], ["layers.4", "norm", "lm_head"]
+    ]
