@@ -61,7 +61,9 @@ def _throughput(**strategy: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     recorder = _Recorder(peak_flops=PEAK)
     model = _NoOwnCallbacks(GPTConfig(**TINY_GPT), lr=1e-2, warmup_steps=2)
-    trainer = quiet_trainer(max_steps=3, limit_val_batches=0, callbacks=[recorder], strategy=ThreeDParallelStrategy(**strategy))
+    trainer = quiet_trainer(
+        max_steps=3, limit_val_batches=0, callbacks=[recorder], strategy=ThreeDParallelStrategy(**strategy), log_every_n_steps=1
+    )
     trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH))
     return {"steps": recorder.steps, "flops_per_token": recorder.flops_per_token, "world": trainer.world_size,
             "tflops": recorder.tflops_per_device, "mfu": recorder.mfu}
@@ -123,3 +125,46 @@ def test_model_summary_counts_the_whole_model_at_tp2_pp2(four) -> None:
         assert got["total"] == got["trainable"] == got["layers"] == one_process, got
         assert got["local"] < one_process  # what Lightning's own summary would have printed
         assert got["kinds"] and all(k.startswith("Global") for k in got["kinds"]), got["kinds"]
+
+
+class _CountingThroughput(TokenThroughput):
+    """Counts the clock reads (each one a CUDA synchronize on a GPU) and keeps every logged window."""
+
+    def __init__(self) -> None:
+        super().__init__(warmup=1)
+        self.clock_reads, self.logged = 0, []
+
+    def _synchronize(self, pl_module) -> None:  # type: ignore[override]
+        self.clock_reads += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        before = dict(self.last_metrics)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.last_metrics != before:
+            self.logged.append((trainer.global_step, dict(self.last_metrics)))
+
+
+def test_throughput_logs_and_reads_the_clock_at_the_loggers_cadence() -> None:
+    """9 steps, log_every_n_steps=4: values logged at steps 4 and 8 only (rates over the steps since the
+    last read), the clock read at the start, the end of warm-up, those two steps and the last; the mean
+    covers steps 2-9 exactly."""
+    torch.manual_seed(0)
+    counting = _CountingThroughput()
+    model = _NoOwnCallbacks(GPTConfig(**TINY_GPT), lr=1e-2, warmup_steps=2)
+    logged_names: list[str] = []
+    original_log = model.log
+    model.log = lambda name, *a, **k: (logged_names.append(name), original_log(name, *a, **k))[1]  # type: ignore[method-assign]
+    trainer = quiet_trainer(max_steps=9, limit_val_batches=0, callbacks=[counting], log_every_n_steps=4)
+    trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH))
+    assert [step for step, _ in counting.logged] == [4, 8]
+    assert logged_names.count("tokens_per_s") == 2 and logged_names.count("mem_mb") == 2
+    assert logged_names.count("train_loss") == 9  # the model's own per-step log is untouched
+    assert counting.clock_reads == 5
+    tokens = GLOBAL_BATCH * TINY_GPT["block_size"]
+    windows = {4: 3, 8: 4}  # steps 2-4 (after the warm-up read at step 1), then 5-8
+    for step, m in counting.logged:
+        assert m["train/items_per_sec"] / m["train/batches_per_sec"] == pytest.approx(tokens)
+        assert m["tokens_per_s"] == pytest.approx(m["train/items_per_sec"])
+        assert 0 < windows[step] / m["train/batches_per_sec"] < counting._seconds
+    assert counting._tokens == 8 * tokens and counting.mean_tokens_per_s == pytest.approx(8 * tokens / counting._seconds)
+    assert trainer.callback_metrics["tokens_per_s"] == pytest.approx(counting.logged[-1][1]["tokens_per_s"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning as L
@@ -78,14 +79,61 @@ def device_peak_flops(trainer: L.Trainer) -> Optional[float]:
     return float(peak) if peak else None
 
 
+@dataclass
+class _Window:
+    """The training steps between two clock reads of :class:`TokenThroughput`."""
+
+    after_warmup: bool = False
+    batches: int = 0
+    tokens: int = 0
+    samples: int = 0
+    flops: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, samples: int, flops: float) -> None:
+        self.batches += 1
+        self.tokens += tokens
+        self.samples += samples
+        self.flops += flops
+
+
+def writes_logs_now(trainer: L.Trainer) -> bool:
+    """Whether Lightning hands this training step's logged values to the loggers (every
+    ``log_every_n_steps``, the step that stops training, every step under ``fast_dev_run``).
+
+    A ``self.log`` call costs far more than the value it records (0.5-1.5 ms of host time on a 2-core
+    CPU: Lightning's result collection, a tensor per value): a callback that logs many values every
+    step pays that on every step while the loggers keep only one step in ``log_every_n_steps``."""
+    if trainer.fast_dev_run:
+        return True
+    connector = getattr(trainer, "_logger_connector", None)  # what Lightning's own ThroughputMonitor asks
+    return bool(connector.should_update_logs) if connector is not None else True
+
+
+def _last_training_step(trainer: L.Trainer) -> bool:
+    """This step ends fit (``max_steps`` reached, a stop requested, the last batch of the last epoch):
+    its window closes now, before the end-of-fit hooks (checkpoints) run."""
+    if trainer.should_stop or (trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps):
+        return True
+    last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+    return bool(last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
 class TokenThroughput(L.Callback):
-    """Logs, every training step, the global throughput and the model FLOPs utilization.
+    """Logs the global throughput and the model FLOPs utilization at the loggers' cadence.
 
     Progress bar: ``tokens_per_s`` (all data-parallel replicas together), ``tflops`` (model TFLOP/s
     per device), ``mfu`` (when a peak is known) and ``mem_mb``. Logger, under the names Lightning's
     ``ThroughputMonitor`` uses: ``train/batches_per_sec``, ``train/samples_per_sec``,
     ``train/items_per_sec`` (tokens), ``train/flops_per_sec`` (global), ``train/device/items_per_sec``,
     ``train/device/flops_per_sec`` (global / world size) and ``train/device/mfu``.
+
+    Values are logged on the steps whose logs Lightning writes (``Trainer(log_every_n_steps=...)``), as
+    rates over the steps since the previous log: per-step ``self.log`` calls cost more host time than
+    a small model's step on a CPU, and the loggers drop the steps in between anyway. The clock is read
+    (after a CUDA synchronize) only where a window closes -- a logging step, the end of warm-up, the
+    start of validation (not training time) and the end of fit -- never every step, so the host keeps
+    queueing work ahead of the GPU.
 
     ``peak_flops``: FLOP/s of one device to compute MFU against. ``None`` takes the LightningModule's
     ``peak_flops`` attribute if it has one (the recipe sets it on CPU from the cluster config's
@@ -102,14 +150,16 @@ class TokenThroughput(L.Callback):
         self.peak_flops: Optional[float] = peak_flops
         self.flops_per_token: Optional[float] = None
         self._seq_len: Optional[int] = None
-        self._last: Optional[float] = None
+        self._last: Optional[float] = None  # when the open window started; None: no window open
+        self._window = _Window()
+        self._logged_window = _Window()
         self._tokens = 0
         self._flops = 0.0
         self._seconds = 0.0
         self._steps = 0
         self._world_size = 1
         self.peak_memory_mb: float = 0.0
-        self.last_metrics: dict[str, float] = {}  # what the last training step logged
+        self.last_metrics: dict[str, float] = {}  # what the last logging step logged
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._world_size = trainer.world_size
@@ -119,6 +169,7 @@ class TokenThroughput(L.Callback):
         if self._last is None:
             self._synchronize(pl_module)
             self._last = time.perf_counter()
+            self._window = _Window(after_warmup=self._steps >= self.warmup)
 
     @staticmethod
     def _synchronize(pl_module: L.LightningModule) -> None:
@@ -128,10 +179,6 @@ class TokenThroughput(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._synchronize(pl_module)
-        now = time.perf_counter()
-        assert self._last is not None
-        elapsed, self._last = now - self._last, now
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         if not isinstance(inputs, torch.Tensor):
             inputs = None
@@ -143,39 +190,65 @@ class TokenThroughput(L.Callback):
             self.flops_per_token = model_flops_per_token(pl_module, self._seq_len)
         flops = tokens * self.flops_per_token if self.flops_per_token is not None else 0.0
         self._steps += 1
-        if self._steps > self.warmup:
-            self._tokens += tokens
-            self._flops += flops
-            self._seconds += elapsed
-        pl_module.log("mem_mb", peak_memory_mb(pl_module.device), prog_bar=True, on_step=True, on_epoch=False)
-        if not tokens or elapsed <= 0:
+        self._window.add(tokens, samples, flops)
+        logs = writes_logs_now(trainer)
+        if logs or self._steps == self.warmup or _last_training_step(trainer):
+            self._close_window(pl_module)
+        if not logs:
             return
-        world = trainer.world_size
-        metrics = {
-            "train/batches_per_sec": 1.0 / elapsed,
-            "train/samples_per_sec": samples / elapsed,
-            "train/items_per_sec": tokens / elapsed,
-            "train/device/items_per_sec": tokens / elapsed / world,
-        }
-        bar = {"tokens_per_s": tokens / elapsed}
-        if flops:
-            per_device = flops / elapsed / world
-            metrics["train/flops_per_sec"] = flops / elapsed
-            metrics["train/device/flops_per_sec"] = per_device
-            bar["tflops"] = per_device / 1e12
-            if self.peak_flops:
-                metrics["train/device/mfu"] = per_device / self.peak_flops
-                bar["mfu"] = per_device / self.peak_flops
+        pl_module.log("mem_mb", peak_memory_mb(pl_module.device), prog_bar=True, on_step=True, on_epoch=False)
+        metrics, bar = self._rates(self._logged_window)
+        if not metrics:
+            return
         self.last_metrics = {**metrics, **bar}
         for name, value in bar.items():
             pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False)
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False)
 
+    def _close_window(self, pl_module: L.LightningModule) -> None:
+        """Reads the clock for the steps since the window opened; a new window opens at once."""
+        if self._last is None or not self._window.batches:
+            return
+        self._synchronize(pl_module)
+        now = time.perf_counter()
+        window, window.seconds = self._window, now - self._last
+        if window.after_warmup:
+            self._tokens += window.tokens
+            self._flops += window.flops
+            self._seconds += window.seconds
+        self._logged_window = window
+        self._last, self._window = now, _Window(after_warmup=self._steps >= self.warmup)
+
+    def _rates(self, window: "_Window") -> tuple[dict[str, float], dict[str, float]]:
+        """The logger's and the progress bar's values for one closed window (empty without tokens)."""
+        if not window.tokens or window.seconds <= 0:
+            return {}, {}
+        elapsed, world = window.seconds, self._world_size
+        metrics = {
+            "train/batches_per_sec": window.batches / elapsed,
+            "train/samples_per_sec": window.samples / elapsed,
+            "train/items_per_sec": window.tokens / elapsed,
+            "train/device/items_per_sec": window.tokens / elapsed / world,
+        }
+        bar = {"tokens_per_s": window.tokens / elapsed}
+        if window.flops:
+            per_device = window.flops / elapsed / world
+            metrics["train/flops_per_sec"] = window.flops / elapsed
+            metrics["train/device/flops_per_sec"] = per_device
+            bar["tflops"] = per_device / 1e12
+            if self.peak_flops:
+                metrics["train/device/mfu"] = per_device / self.peak_flops
+                bar["mfu"] = per_device / self.peak_flops
+        return metrics, bar
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last = None  # validation time is not training time
+        self._close_window(pl_module)  # validation time is not training time
+        self._last = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close_window(pl_module)
+        self._last = None
         peak = torch.tensor(peak_memory_mb(pl_module.device), dtype=torch.float64, device=pl_module.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)

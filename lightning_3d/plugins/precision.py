@@ -211,6 +211,7 @@ class ThreeDPrecision(Precision):
         self._consecutive: dict[int, int] = {}  # per optimizer: non-finite steps in a row (that count)
         self._skipped = 0  # skipped steps without a loss scaler (the scaler counts its own)
         self._warned_first_skip = False
+        self._logged: Optional[tuple[int, Optional[float]]] = None  # (skipped steps, loss scale) as last logged
         self._clip_norm: dict[int, Tensor] = {}  # per optimizer: this step's global gradient norm, if clipped
         self.precision = precision
         self.compute_dtype, self.master_dtype = MODES[precision]
@@ -353,20 +354,29 @@ class ThreeDPrecision(Precision):
         )
 
     def _log(self, model: Any) -> None:
-        """``skipped_steps`` on the progress bar and in the logger (and the loss scale under fp16)."""
+        """``skipped_steps`` on the progress bar and in the logger (and the loss scale under fp16): on
+        the steps whose logs Lightning writes, and on any step that changed them (so ``callback_metrics``
+        is always current), not on every step -- a ``self.log`` call costs more host time than the check."""
         from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
 
+        from lightning_3d.monitoring.callbacks import writes_logs_now
+
+        trainer = getattr(model, "_trainer", None)
         fx = getattr(model, "_current_fx_name", None)
-        if getattr(model, "_trainer", None) is None or fx is None:
+        if trainer is None or fx is None:
             return  # not inside a Trainer's hook: nowhere to log
+        values = (self.skipped_steps, float(self.scaler.scale) if self.scaler is not None else None)
+        if values == self._logged and not writes_logs_now(trainer):
+            return
         try:
             _FxValidator.check_logging_levels(fx, on_step=True, on_epoch=False)
         except Exception:  # noqa: BLE001 - a hook (e.g. on_train_epoch_end) where per-step logging is not allowed
             return
+        self._logged = values
         # CPU tensors: logging them (and the progress bar reading them) never waits for the device
-        model.log("skipped_steps", torch.tensor(float(self.skipped_steps)), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-        if self.scaler is not None:
-            model.log("loss_scale", torch.tensor(float(self.scaler.scale)), on_step=True, on_epoch=False, batch_size=1)
+        model.log("skipped_steps", torch.tensor(float(values[0])), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        if values[1] is not None:
+            model.log("loss_scale", torch.tensor(values[1]), on_step=True, on_epoch=False, batch_size=1)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
