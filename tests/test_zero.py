@@ -266,6 +266,47 @@ def _step_in_rounds() -> dict[str, Any]:
     return out
 
 
+class _SideOnRankZero(GPTModule):
+    """A side layer only rank 0's forward touches (times zero: its gradient is 0 there, None on rank 1)."""
+
+    def __init__(self) -> None:
+        super().__init__(GPTConfig(**TINY_GPT), lr=1e-2)
+        self.side = torch.nn.Linear(8, 8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0.0 * self.side.weight.sum() if dist.get_rank() == 0 else loss
+
+
+def used_vote_rides_the_finite_vote() -> dict[str, Any]:
+    """dp2 ZeRO-1 (the data-parallel group is the world): the used-parameter vote travels in the precision
+    plugin's finite vote, so the step's own vote issues no collective; a layer one rank used is stepped."""
+    L.seed_everything(0)
+    model = _SideOnRankZero()
+    initial = model.side.weight.detach().clone()
+    inside, calls = [False], [0]
+    original_all_reduce, original_used = dist.all_reduce, ZeroOptimizer._used_anywhere
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += inside[0]
+        return original_all_reduce(*args, **kwargs)
+
+    def used_anywhere(self: ZeroOptimizer) -> Any:
+        inside[0] = True
+        try:
+            return original_used(self)
+        finally:
+            inside[0] = False
+
+    dist.all_reduce, ZeroOptimizer._used_anywhere = counting, used_anywhere  # type: ignore[method-assign]
+    try:
+        quiet_trainer(max_steps=3, limit_val_batches=0, strategy=_strategy(1)).fit(model, tiny_data(global_batch_size=8))
+    finally:
+        dist.all_reduce, ZeroOptimizer._used_anywhere = original_all_reduce, original_used  # type: ignore[method-assign]
+    return {"collectives_in_used_vote": calls[0], "side_changed": not torch.equal(initial, model.side.weight.detach()),
+            "side": model.side.weight.detach().reshape(-1).tolist()}
+
+
 def dp2_world(tmp: str) -> dict[str, Any]:
     checks: dict[str, Any] = {f"parity{s}": (lambda s=s: parity_run(s)) for s in range(4)}
     checks.update({f"bf16_{s}": (lambda s=s: parity_run(s, precision="bf16-mixed")) for s in (1, 2, 3)})
@@ -278,6 +319,7 @@ def dp2_world(tmp: str) -> dict[str, Any]:
     checks["meta"] = meta_init
     checks.update({f"reuse{s}": (lambda s=s: fit_then_evaluate(s)) for s in (2, 3)})
     checks["step_in_rounds"] = step_in_rounds
+    checks["used_vote"] = used_vote_rides_the_finite_vote
     return run_checks(checks)
 
 
@@ -442,6 +484,14 @@ def test_zero1_steps_in_rounds_with_the_same_result_as_one_call(dp2):
         assert auto["calls"] == one_call["calls"] == custom["calls"] == 3
         assert rounds["params"] == one_call["params"] == custom["params"] == auto["params"] == run["offload"]["params"]
     assert runs[0]["rounds"]["params"] == runs[1]["rounds"]["params"]
+
+
+def test_the_used_vote_rides_the_finite_vote_and_a_layer_one_rank_used_is_stepped(dp2):
+    runs = [result_of(r, "used_vote") for r in dp2]
+    for run in runs:
+        assert run["collectives_in_used_vote"] == 0  # one collective and one host read per step, not two
+        assert run["side_changed"]  # used on rank 0 only: weight decay and Adam stepped it on its owner
+    assert runs[0]["side"] == runs[1]["side"]
 
 
 def test_step_rounds_are_consecutive_balanced_and_cover_every_bucket() -> None:

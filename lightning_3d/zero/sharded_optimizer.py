@@ -315,6 +315,7 @@ class ZeroOptimizer:
         self.compute_dtype, self.master_dtype, self.offload = compute_dtype, master_dtype, offload
         self.host = torch.device("cpu") if offload != "none" else None
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self._agreed_used: Optional[list[list[bool]]] = None  # the used vote, taken ahead of the step (take_world_vote)
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         layout: list[tuple[int, list[Parameter]]] = []
         seen: set[int] = set()
@@ -452,15 +453,37 @@ class ZeroOptimizer:
                     p.grad = None
             bucket.reduced = False
             bucket.used = [False] * len(bucket.params)
+        self._agreed_used = None
         self.grads.forget_nonfinite()
 
     def _grad_slices(self) -> Iterator[tuple[_Bucket, Tensor]]:
         for _, bucket, grad in self._indexed_grad_slices():
             yield bucket, grad
 
+    def world_vote_flags(self) -> Optional[Tensor]:
+        """This rank's used flags (1.0 per parameter with a gradient), for a MAX all-reduce over the whole
+        world that carries other flags too (the precision plugin's finite vote): one collective and one
+        host read per step instead of two. ``None`` where that vote cannot carry them: the data-parallel
+        group is not the whole world (tp/pp peers hold other buckets), nobody else votes, or a dry run.
+        Each call votes afresh (a second finite vote in one step overwrites the first's agreement)."""
+        if self.dp_size == 1 or not self.buckets or self.buckets[0].param_buf.is_meta:
+            return None
+        if self.dp_size != dist.get_world_size():
+            return None
+        return torch.tensor([float(u) for b in self.buckets for u in b.used], device=self.buckets[0].param_buf.device)
+
+    def take_world_vote(self, values: list[float]) -> None:
+        """The agreed (MAX over the world) flags of :meth:`world_vote_flags`: the coming step uses them."""
+        votes = iter(values)
+        self._agreed_used = [[next(votes) > 0 for _ in b.params] for b in self.buckets]
+
     def _used_anywhere(self) -> list[list[bool]]:
         """Per bucket and parameter: did any data-parallel rank produce a gradient since the last step?
-        (One small all-reduce per step; a parameter nobody used is skipped, as one process skips it.)"""
+        (One small all-reduce per step, unless the finite vote carried it; a parameter nobody used is
+        skipped, as one process skips it.)"""
+        if self._agreed_used is not None:
+            agreed, self._agreed_used = self._agreed_used, None
+            return agreed
         flags = [float(u) for b in self.buckets for u in b.used]
         if not flags:
             return []
