@@ -3,8 +3,10 @@ x tp x pp), MFU divides by one device's peak; ModelSummary reports the whole mod
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 
@@ -168,3 +170,27 @@ def test_throughput_logs_and_reads_the_clock_at_the_loggers_cadence() -> None:
         assert 0 < windows[step] / m["train/batches_per_sec"] < counting._seconds
     assert counting._tokens == 8 * tokens and counting.mean_tokens_per_s == pytest.approx(8 * tokens / counting._seconds)
     assert trainer.callback_metrics["tokens_per_s"] == pytest.approx(counting.logged[-1][1]["tokens_per_s"])
+
+
+class _SlowEpochEnd(L.Callback):
+    """An epoch-end hook as slow as a checkpoint save (Lightning runs it after TokenThroughput's)."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:  # type: ignore[override]
+        time.sleep(1.5)
+
+
+def test_throughput_logs_once_per_accumulated_step_and_leaves_epoch_end_out() -> None:
+    """Accumulating 2 micro-batches per step, logging every 2 steps: one log per logged step (at the
+    micro-batch that steps), and a slow epoch-end hook is not training time."""
+    torch.manual_seed(0)
+    counting = _CountingThroughput()
+    model = _NoOwnCallbacks(GPTConfig(**TINY_GPT), lr=1e-2, warmup_steps=2)
+    logged_names: list[str] = []
+    original_log = model.log
+    model.log = lambda name, *a, **k: (logged_names.append(name), original_log(name, *a, **k))[1]  # type: ignore[method-assign]
+    trainer = quiet_trainer(
+        max_steps=4, limit_val_batches=0, accumulate_grad_batches=2, callbacks=[counting, _SlowEpochEnd()], log_every_n_steps=2
+    )
+    trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH))
+    assert [step for step, _ in counting.logged] == [2, 4] and logged_names.count("tokens_per_s") == 2
+    assert 0 < counting._seconds < 1.5  # 7 tiny micro-batches, without the 1.5 s epoch end

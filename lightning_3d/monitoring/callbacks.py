@@ -98,8 +98,9 @@ class _Window:
 
 
 def writes_logs_now(trainer: L.Trainer) -> bool:
-    """Whether Lightning hands this training step's logged values to the loggers (every
-    ``log_every_n_steps``, the step that stops training, every step under ``fast_dev_run``).
+    """Whether Lightning hands this training batch's logged values to the loggers (the optimizer step
+    every ``log_every_n_steps``, the step that stops training, every step under ``fast_dev_run``; not
+    the micro-batches an accumulating step runs before its last).
 
     A ``self.log`` call costs far more than the value it records (0.5-1.5 ms of host time on a 2-core
     CPU: Lightning's result collection, a tensor per value): a callback that logs many values every
@@ -107,16 +108,12 @@ def writes_logs_now(trainer: L.Trainer) -> bool:
     if trainer.fast_dev_run:
         return True
     connector = getattr(trainer, "_logger_connector", None)  # what Lightning's own ThroughputMonitor asks
-    return bool(connector.should_update_logs) if connector is not None else True
-
-
-def _last_training_step(trainer: L.Trainer) -> bool:
-    """This step ends fit (``max_steps`` reached, a stop requested, the last batch of the last epoch):
-    its window closes now, before the end-of-fit hooks (checkpoints) run."""
-    if trainer.should_stop or (trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps):
+    if connector is None:
         return True
-    last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-    return bool(last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+    module = trainer.lightning_module
+    if module is not None and module.automatic_optimization and trainer.fit_loop._should_accumulate():
+        return False  # (Lightning writes at the micro-batch that steps: update_train_step_metrics)
+    return bool(connector.should_update_logs)
 
 
 class TokenThroughput(L.Callback):
@@ -132,7 +129,7 @@ class TokenThroughput(L.Callback):
     rates over the steps since the previous log: per-step ``self.log`` calls cost more host time than
     a small model's step on a CPU, and the loggers drop the steps in between anyway. The clock is read
     (after a CUDA synchronize) only where a window closes -- a logging step, the end of warm-up, the
-    start of validation (not training time) and the end of fit -- never every step, so the host keeps
+    start of validation and the end of each epoch (neither is training time) -- never every step, so the host keeps
     queueing work ahead of the GPU.
 
     ``peak_flops``: FLOP/s of one device to compute MFU against. ``None`` takes the LightningModule's
@@ -165,6 +162,10 @@ class TokenThroughput(L.Callback):
         self._world_size = trainer.world_size
         self.peak_flops = self.peak_flops_arg or getattr(pl_module, "peak_flops", None) or device_peak_flops(trainer)
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # (a second fit with this instance warms up and averages afresh; a window a failed fit left open closes)
+        self._steps, self._tokens, self._flops, self._seconds, self._last = 0, 0, 0.0, 0.0, None
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._last is None:
             self._synchronize(pl_module)
@@ -192,19 +193,21 @@ class TokenThroughput(L.Callback):
         self._steps += 1
         self._window.add(tokens, samples, flops)
         logs = writes_logs_now(trainer)
-        if logs or self._steps == self.warmup or _last_training_step(trainer):
+        if logs or self._steps == self.warmup:
             self._close_window(pl_module)
         if not logs:
             return
-        pl_module.log("mem_mb", peak_memory_mb(pl_module.device), prog_bar=True, on_step=True, on_epoch=False)
+        # CPU tensors: a float is logged as a tensor on the module's device, which Lightning reads back (a
+        # device sync) at every later batch's metric update
+        pl_module.log("mem_mb", torch.tensor(peak_memory_mb(pl_module.device)), prog_bar=True, on_step=True, on_epoch=False)
         metrics, bar = self._rates(self._logged_window)
         if not metrics:
             return
         self.last_metrics = {**metrics, **bar}
         for name, value in bar.items():
-            pl_module.log(name, value, prog_bar=True, on_step=True, on_epoch=False)
+            pl_module.log(name, torch.tensor(value), prog_bar=True, on_step=True, on_epoch=False)
         for name, value in metrics.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False)
+            pl_module.log(name, torch.tensor(value), on_step=True, on_epoch=False)
 
     def _close_window(self, pl_module: L.LightningModule) -> None:
         """Reads the clock for the steps since the window opened; a new window opens at once."""
@@ -244,6 +247,12 @@ class TokenThroughput(L.Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close_window(pl_module)  # validation time is not training time
+        self._last = None
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # before the epoch's checkpoint saves (Lightning runs checkpoint callbacks after the others), and
+        # before hooks that stop training late in the step (Timer, EarlyStopping): none is training time
+        self._close_window(pl_module)
         self._last = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

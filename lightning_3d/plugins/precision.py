@@ -366,7 +366,8 @@ class ThreeDPrecision(Precision):
         if trainer is None or fx is None:
             return  # not inside a Trainer's hook: nowhere to log
         values = (self.skipped_steps, float(self.scaler.scale) if self.scaler is not None else None)
-        if values == self._logged and not writes_logs_now(trainer):
+        shown = getattr(getattr(trainer, "_logger_connector", None), "_callback_metrics", {})  # (emptied at each fit's start)
+        if values == self._logged and "skipped_steps" in shown and not writes_logs_now(trainer):
             return
         try:
             _FxValidator.check_logging_levels(fx, on_step=True, on_epoch=False)
