@@ -105,15 +105,13 @@ def writes_logs_now(trainer: L.Trainer) -> bool:
     A ``self.log`` call costs far more than the value it records (0.5-1.5 ms of host time on a 2-core
     CPU: Lightning's result collection, a tensor per value): a callback that logs many values every
     step pays that on every step while the loggers keep only one step in ``log_every_n_steps``."""
-    if trainer.fast_dev_run:
-        return True
-    connector = getattr(trainer, "_logger_connector", None)  # what Lightning's own ThroughputMonitor asks
-    if connector is None:
-        return True
     module = trainer.lightning_module
     if module is not None and module.automatic_optimization and trainer.fit_loop._should_accumulate():
         return False  # (Lightning writes at the micro-batch that steps: update_train_step_metrics)
-    return bool(connector.should_update_logs)
+    if trainer.fast_dev_run:
+        return True
+    connector = getattr(trainer, "_logger_connector", None)  # what Lightning's own ThroughputMonitor asks
+    return bool(connector.should_update_logs) if connector is not None else True
 
 
 class TokenThroughput(L.Callback):
@@ -163,8 +161,10 @@ class TokenThroughput(L.Callback):
         self.peak_flops = self.peak_flops_arg or getattr(pl_module, "peak_flops", None) or device_peak_flops(trainer)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # (a second fit with this instance warms up and averages afresh; a window a failed fit left open closes)
+        # (a second fit with this instance warms up, counts its own model's FLOPs and averages afresh; a
+        # window a failed fit left open is dropped)
         self._steps, self._tokens, self._flops, self._seconds, self._last = 0, 0, 0.0, 0.0, None
+        self._seq_len, self.flops_per_token, self.last_metrics = None, None, {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._last is None:
@@ -180,6 +180,8 @@ class TokenThroughput(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._last is None:  # (a batch the dataloader gave as None: Lightning skipped its start hook)
+            return
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         if not isinstance(inputs, torch.Tensor):
             inputs = None
@@ -193,7 +195,8 @@ class TokenThroughput(L.Callback):
         self._steps += 1
         self._window.add(tokens, samples, flops)
         logs = writes_logs_now(trainer)
-        if logs or self._steps == self.warmup:
+        # the step that ends training closes here, before the epoch-end hooks of callbacks listed before this one
+        if logs or self._steps == self.warmup or trainer.fit_loop.epoch_loop._is_training_done:
             self._close_window(pl_module)
         if not logs:
             return
