@@ -146,18 +146,26 @@ class _CountingThroughput(TokenThroughput):
             self.logged.append((trainer.global_step, dict(self.last_metrics)))
 
 
-def test_throughput_logs_and_reads_the_clock_at_the_loggers_cadence() -> None:
-    """9 steps, log_every_n_steps=4: values logged at steps 4 and 8 only (rates over the steps since the
-    last read), the clock read at the start, the end of warm-up, those two steps and the last; the mean
-    covers steps 2-9 exactly."""
+def _fit_counting(**trainer_kwargs: Any) -> tuple[_CountingThroughput, list[str], Any]:
+    """A tiny GPT fit with :class:`_CountingThroughput` first among the callbacks; the names every
+    ``self.log`` call logged, in order."""
     torch.manual_seed(0)
     counting = _CountingThroughput()
     model = _NoOwnCallbacks(GPTConfig(**TINY_GPT), lr=1e-2, warmup_steps=2)
     logged_names: list[str] = []
     original_log = model.log
     model.log = lambda name, *a, **k: (logged_names.append(name), original_log(name, *a, **k))[1]  # type: ignore[method-assign]
-    trainer = quiet_trainer(max_steps=9, limit_val_batches=0, callbacks=[counting], log_every_n_steps=4)
+    callbacks = [counting, *trainer_kwargs.pop("callbacks", [])]
+    trainer = quiet_trainer(limit_val_batches=0, callbacks=callbacks, **trainer_kwargs)
     trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH))
+    return counting, logged_names, trainer
+
+
+def test_throughput_logs_and_reads_the_clock_at_the_loggers_cadence() -> None:
+    """9 steps, log_every_n_steps=4: values logged at steps 4 and 8 only (rates over the steps since the
+    last read), the clock read at the start, the end of warm-up, those two steps and the last; the mean
+    covers steps 2-9 exactly."""
+    counting, logged_names, trainer = _fit_counting(max_steps=9, log_every_n_steps=4)
     assert [step for step, _ in counting.logged] == [4, 8]
     assert logged_names.count("tokens_per_s") == 2 and logged_names.count("mem_mb") == 2
     assert logged_names.count("train_loss") == 9  # the model's own per-step log is untouched
@@ -182,15 +190,6 @@ class _SlowEpochEnd(L.Callback):
 def test_throughput_logs_once_per_accumulated_step_and_leaves_epoch_end_out() -> None:
     """Accumulating 2 micro-batches per step, logging every 2 steps: one log per logged step (at the
     micro-batch that steps), and a slow epoch-end hook is not training time."""
-    torch.manual_seed(0)
-    counting = _CountingThroughput()
-    model = _NoOwnCallbacks(GPTConfig(**TINY_GPT), lr=1e-2, warmup_steps=2)
-    logged_names: list[str] = []
-    original_log = model.log
-    model.log = lambda name, *a, **k: (logged_names.append(name), original_log(name, *a, **k))[1]  # type: ignore[method-assign]
-    trainer = quiet_trainer(
-        max_steps=4, limit_val_batches=0, accumulate_grad_batches=2, callbacks=[counting, _SlowEpochEnd()], log_every_n_steps=2
-    )
-    trainer.fit(model, tiny_data(global_batch_size=GLOBAL_BATCH))
+    counting, logged_names, _ = _fit_counting(max_steps=4, accumulate_grad_batches=2, callbacks=[_SlowEpochEnd()], log_every_n_steps=2)
     assert [step for step, _ in counting.logged] == [2, 4] and logged_names.count("tokens_per_s") == 2
     assert 0 < counting._seconds < 1.5  # 7 tiny micro-batches, without the 1.5 s epoch end

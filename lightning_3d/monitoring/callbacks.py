@@ -147,7 +147,6 @@ class TokenThroughput(L.Callback):
         self._seq_len: Optional[int] = None
         self._last: Optional[float] = None  # when the open window started; None: no window open
         self._window = _Window()
-        self._logged_window = _Window()
         self._tokens = 0
         self._flops = 0.0
         self._seconds = 0.0
@@ -196,14 +195,15 @@ class TokenThroughput(L.Callback):
         self._window.add(tokens, samples, flops)
         logs = writes_logs_now(trainer)
         # the step that ends training closes here, before the epoch-end hooks of callbacks listed before this one
+        closed = None
         if logs or self._steps == self.warmup or trainer.fit_loop.epoch_loop._is_training_done:
-            self._close_window(pl_module)
-        if not logs:
+            closed = self._close_window(pl_module)
+        if not logs or closed is None:
             return
         # CPU tensors: a float is logged as a tensor on the module's device, which Lightning reads back (a
         # device sync) at every later batch's metric update
         pl_module.log("mem_mb", torch.tensor(peak_memory_mb(pl_module.device)), prog_bar=True, on_step=True, on_epoch=False)
-        metrics, bar = self._rates(self._logged_window)
+        metrics, bar = self._rates(closed)
         if not metrics:
             return
         self.last_metrics = {**metrics, **bar}
@@ -212,10 +212,11 @@ class TokenThroughput(L.Callback):
         for name, value in metrics.items():
             pl_module.log(name, torch.tensor(value), on_step=True, on_epoch=False)
 
-    def _close_window(self, pl_module: L.LightningModule) -> None:
-        """Reads the clock for the steps since the window opened; a new window opens at once."""
+    def _close_window(self, pl_module: L.LightningModule) -> Optional[_Window]:
+        """Reads the clock for the steps since the window opened and returns them (None: no step was
+        open); a new window opens at once."""
         if self._last is None or not self._window.batches:
-            return
+            return None
         self._synchronize(pl_module)
         now = time.perf_counter()
         window, window.seconds = self._window, now - self._last
@@ -223,10 +224,10 @@ class TokenThroughput(L.Callback):
             self._tokens += window.tokens
             self._flops += window.flops
             self._seconds += window.seconds
-        self._logged_window = window
         self._last, self._window = now, _Window(after_warmup=self._steps >= self.warmup)
+        return window
 
-    def _rates(self, window: "_Window") -> tuple[dict[str, float], dict[str, float]]:
+    def _rates(self, window: _Window) -> tuple[dict[str, float], dict[str, float]]:
         """The logger's and the progress bar's values for one closed window (empty without tokens)."""
         if not window.tokens or window.seconds <= 0:
             return {}, {}

@@ -470,12 +470,20 @@ class ZeroOptimizer:
             return None
         if self.dp_size != dist.get_world_size():
             return None
-        return torch.tensor([float(u) for b in self.buckets for u in b.used], device=self.buckets[0].param_buf.device)
+        return self._local_used_flags()
 
     def take_world_vote(self, values: list[float]) -> None:
         """The agreed (MAX over the world) flags of :meth:`world_vote_flags`: the coming step uses them."""
-        votes = iter(values)
-        self._agreed_used = [[next(votes) > 0 for _ in b.params] for b in self.buckets]
+        self._agreed_used = self._per_bucket([v > 0 for v in values])
+
+    def _local_used_flags(self) -> Tensor:
+        """1.0 per parameter (buckets in order) that has a gradient on this rank, on the buckets' device."""
+        return torch.tensor([float(u) for b in self.buckets for u in b.used], device=self.buckets[0].param_buf.device)
+
+    def _per_bucket(self, flat: list[bool]) -> list[list[bool]]:
+        """A flat per-parameter list (buckets in order) cut back into one list per bucket."""
+        values = iter(flat)
+        return [[next(values) for _ in b.params] for b in self.buckets]
 
     def _used_anywhere(self) -> list[list[bool]]:
         """Per bucket and parameter: did any data-parallel rank produce a gradient since the last step?
@@ -484,19 +492,16 @@ class ZeroOptimizer:
         if self._agreed_used is not None:
             agreed, self._agreed_used = self._agreed_used, None
             return agreed
-        flags = [float(u) for b in self.buckets for u in b.used]
-        if not flags:
+        if not any(b.params for b in self.buckets):
             return []
         if self.dp_size == 1 and not self.buckets[0].param_buf.is_meta:  # nobody to ask: no trip to the device
             return [list(b.used) for b in self.buckets]  # and back (a host sync per step on a GPU)
-        device = self.buckets[0].param_buf.device
-        votes = torch.tensor(flags, device=device)
+        votes = self._local_used_flags()
         if self.dp_size > 1:
             dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.dp_group)
         if votes.is_meta:  # a dry run (lightning_3d.apps.dry_run) has no values: every parameter counts as used
             return [[True] * len(b.params) for b in self.buckets]
-        values = iter(votes.bool().tolist())
-        return [[next(values) for _ in b.params] for b in self.buckets]
+        return self._per_bucket(votes.bool().tolist())
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
