@@ -149,17 +149,42 @@ def test_after_a_collective_fails_one_rank_diagnoses_and_the_others_wait_for_its
 
 
 def test_only_the_recorded_process_is_killed_even_when_stopped():
-    from lightning_3d.resilience.launch_guard import kill_if_here, process_record
+    from lightning_3d.resilience.launch_guard import ENDED, KILLED, kill_if_here, process_record
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         record = process_record(proc.pid)
-        assert not kill_if_here(replace(record, start=str(int(record.start) + 1)))  # a recycled pid
-        assert not kill_if_here(replace(record, host="another-host/pid:[1]"))
+        assert kill_if_here(replace(record, start=str(int(record.start) + 1))) == ENDED  # a recycled pid: spared
+        assert kill_if_here(replace(record, host="another-host/pid:[1]")) is None
         assert proc.poll() is None
-        assert kill_if_here(record)
+        assert kill_if_here(record) == KILLED
         assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_silent_rank_a_peer_killed_first_is_still_named_with_its_pid(monkeypatch):
+    """Two watchers of one frozen rank race: one kills it, the other claims the failure. The
+    claimant's line still names the process on this host (it found a zombie, not a live process)."""
+    from lightning_3d.resilience.launch_guard import process_record
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = process_record(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # the peer's kill; nobody has reaped it yet
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        monkeypatch.delenv("LIGHTNING_3D_HEARTBEAT_TIMEOUT", raising=False)
+        store, lines = Store(), []
+        store.set(f"{fault.PROCESS}2", record.encode())
+        monitor = _monitor(monkeypatch, store, 1, 3, interval=0.1, timeout=6.0, on_failure=lines.append)
+        monitor._peers_silent([(2, 6.5)])
+        assert len(lines) == 1 and "rank 2 has not responded for 6 s" in lines[0], lines
+        assert f"rank 2's process (pid {proc.pid}) on this host has ended" in lines[0], lines
     finally:
         proc.kill()
         proc.wait()
@@ -314,7 +339,9 @@ def test_a_frozen_rank_is_killed_and_every_survivor_names_it(jobs):
     claimant = [line for line in lines if "rank 2 has not responded" in line]
     follower = [line for line in lines if "ends because rank(s) [2] stopped responding" in line]
     assert len(claimant) == 1 and len(follower) == 1, lines
-    assert f"killed rank 2's process (pid {frozen}) on this host" in claimant[0], lines
+    # whichever watcher killed it, the claimant names the process: killed, or ended by the other watcher
+    assert f"rank 2's process (pid {frozen}) on this host" in claimant[0], lines
+    assert f"killed rank 2's process (pid {frozen})" in claimant[0] or "on this host has ended" in claimant[0], lines
     assert "rank 0 is dead" not in job.output() and "frame #" not in job.output()
 
 

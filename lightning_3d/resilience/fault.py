@@ -68,7 +68,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_3d.resilience import launch_guard
-from lightning_3d.resilience.launch_guard import ProcessRecord, kill_if_here, launcher_died, process_record, restart_hint
+from lightning_3d.resilience.launch_guard import KILLED, ProcessRecord, kill_if_here, launcher_died, process_record, restart_hint
 
 PREFIX = "lightning_3d/heartbeat/"
 PROCESS = "lightning_3d/process/"
@@ -292,7 +292,8 @@ class HealthMonitor:
         silent_s = max(s for _, s in silent)
         who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {list(ranks)} have"
         # kill first, claim second: a rank that reads our claim kills the silent ranks on its host too,
-        # and could do it between our claim and our kill (then our line would not say we killed them)
+        # and could do it between our claim and our kill. Another watcher of the same ranks may still
+        # kill them first: our line then says their processes here have ended.
         killed = self._kill(ranks)
         failure = self.claim(Failure(self.rank, SILENT, ranks, f"{who} not responded for {silent_s:.0f} s"))
         if failure.by != self.rank:  # another rank was first: say what it found
@@ -439,18 +440,25 @@ class HealthMonitor:
                 return None
         return self._records.get(r)
 
-    def _kill(self, ranks: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
-        """SIGKILL those of ``ranks`` (known dead or frozen) that run on this host: (rank, pid) killed."""
-        killed = []
+    def _kill(self, ranks: tuple[int, ...] | list[int]) -> list[tuple[int, int, str]]:
+        """SIGKILL those of ``ranks`` (known dead or frozen) that run on this host: (rank, pid, outcome)
+        for each of them, the outcome ``KILLED`` or ``ENDED`` (``kill_if_here``)."""
+        outcomes = []
         for r in ranks:
             record = self._record(r) if r != self.rank else None
-            if record is not None and kill_if_here(record):
-                killed.append((r, record.pid))
-        return killed
+            outcome = kill_if_here(record) if record is not None else None
+            if outcome is not None:
+                outcomes.append((r, record.pid, outcome))
+        return outcomes
 
     @staticmethod
-    def _kill_note(killed: list[tuple[int, int]]) -> str:
-        return "".join(f"; killed rank {r}'s process (pid {pid}) on this host" for r, pid in killed)
+    def _kill_note(outcomes: list[tuple[int, int, str]]) -> str:
+        return "".join(
+            f"; killed rank {r}'s process (pid {pid}) on this host"
+            if outcome == KILLED
+            else f"; rank {r}'s process (pid {pid}) on this host has ended"
+            for r, pid, outcome in outcomes
+        )
 
     # -- after a collective failed ------------------------------------------------------------------------
     def diagnose(self, wait: Optional[float] = None) -> list[int]:

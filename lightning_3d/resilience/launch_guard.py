@@ -81,18 +81,26 @@ def process_record(pid: Optional[int] = None) -> ProcessRecord:
     return ProcessRecord(_host(), pid, fields[19] if fields else "")
 
 
-def kill_if_here(record: ProcessRecord) -> bool:
-    """SIGKILL the process of ``record`` if it runs on this host and is still that process."""
+KILLED, ENDED = "killed", "ended"
+
+
+def kill_if_here(record: ProcessRecord) -> Optional[str]:
+    """SIGKILL the process of ``record`` if it runs on this host and is still that process.
+
+    Returns ``KILLED``; ``ENDED`` when the recorded process on this host had already ended (a zombie,
+    reaped, or its pid recycled: a peer on this host may have killed it a moment before); None when it
+    runs elsewhere. Two ranks that notice the same silent peer both try: one kills, the other finds
+    it ended, and either may be the one whose line the job prints."""
     if record.host != _host() or record.pid == os.getpid():
-        return False
+        return None
     fields = _stat(record.pid)
     if fields is None or fields[19] != record.start or fields[0] == "Z":
-        return False
+        return ENDED
     try:
         os.kill(record.pid, signal.SIGKILL)
     except OSError:
-        return False
-    return True
+        return ENDED  # gone between the look and the kill
+    return KILLED
 
 
 def is_stopped(pid: int) -> bool:
