@@ -174,10 +174,7 @@ def test_a_silent_rank_a_peer_killed_first_is_still_named_with_its_pid(monkeypat
     try:
         record = process_record(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # the peer's kill; nobody has reaped it yet
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _await_zombie(proc.pid)
         monkeypatch.delenv("LIGHTNING_3D_HEARTBEAT_TIMEOUT", raising=False)
         store, lines = Store(), []
         store.set(f"{fault.PROCESS}2", record.encode())
@@ -188,6 +185,36 @@ def test_a_silent_rank_a_peer_killed_first_is_still_named_with_its_pid(monkeypat
     finally:
         proc.kill()
         proc.wait()
+
+
+def _await_zombie(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, f"process {pid} did not become a zombie"
+        time.sleep(0.01)
+
+
+def test_a_launcher_on_its_way_out_counts_as_dead_before_its_ranks_are_reparented(monkeypatch):
+    """Linux closes a dying launcher's sockets before it reparents its ranks. A rank whose gloo or
+    store connection just dropped must already see the launcher as dead (``getppid()`` still names
+    it): otherwise it reports through the dead store, and torch prints a C++ warning with frames."""
+    from lightning_3d.resilience.launch_guard import is_exiting
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not is_exiting(proc.pid)
+        monkeypatch.setitem(launch_guard._watch, "parent", os.getppid())  # the parent does not change
+        monkeypatch.setitem(launch_guard._watch, "launcher", proc.pid)
+        monkeypatch.setitem(launch_guard._watch, "line", lambda: "lightning_3d: its launcher died")
+        assert launch_guard.launcher_died() is None
+        proc.kill()
+        _await_zombie(proc.pid)  # dead, not yet reaped: what a rank sees while the kernel tears it down
+        assert is_exiting(proc.pid)
+        assert launch_guard.launcher_died() == "lightning_3d: its launcher died"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert is_exiting(proc.pid)  # reaped: gone
 
 
 REENTRY = """

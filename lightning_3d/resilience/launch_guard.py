@@ -321,7 +321,7 @@ class GuardedMultiProcessingLauncher(_MultiProcessingLauncher):
 
 
 # -- the child's side ---------------------------------------------------------------------------------------
-_watch: dict[str, Any] = {"parent": None, "line": None}
+_watch: dict[str, Any] = {"parent": None, "launcher": None, "line": None}
 
 
 def _set_parent_death_signal(signum: int) -> bool:
@@ -375,7 +375,7 @@ def watch_launcher(rank: int, end: Callable[[str], None]) -> bool:
     if threading.current_thread() is threading.main_thread():
         signal.signal(DEATH_SIGNAL, lambda signum, frame: end(line()))
         _set_parent_death_signal(DEATH_SIGNAL)
-    _watch.update(parent=parent, line=line)
+    _watch.update(parent=parent, launcher=pid, line=line)
     if launcher_died():  # it died before the request was in place
         end(line())
     return True
@@ -385,11 +385,29 @@ def unwatch_launcher() -> None:
     """After training: a rank that outlives its launcher by a moment at the end of a run is fine."""
     if _watch["parent"] is not None:
         _set_parent_death_signal(0)
-        _watch.update(parent=None, line=None)
+        _watch.update(parent=None, launcher=None, line=None)
+
+
+_PF_EXITING = 0x4  # in /proc/<pid>/stat's flags: the process has begun to exit
+_HAS_PROC = os.path.exists("/proc/self/stat")
+
+
+def is_exiting(pid: int) -> bool:
+    """Whether process ``pid`` is gone or on its way out. Linux marks a process exiting first, closes
+    its sockets later and reparents its children last: a rank that sees the launcher's store or gloo
+    connection drop may still read the old parent from ``getppid()``, but never an unmarked launcher."""
+    if not _HAS_PROC:  # (cannot tell: only a changed parent counts)
+        return False
+    fields = _stat(pid)
+    return fields is None or fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING != 0
 
 
 def launcher_died() -> Optional[str]:
-    """The one-line report if this rank's launcher is gone (its parent changed), else None."""
-    if _watch["parent"] is None or os.getppid() == _watch["parent"]:
+    """The one-line report if this rank's launcher is gone or exiting (its parent changed, or the
+    launcher or the parent is marked exiting), else None."""
+    parent = _watch["parent"]
+    if parent is None:
+        return None
+    if os.getppid() == parent and not is_exiting(parent) and not is_exiting(_watch["launcher"]):
         return None
     return _watch["line"]()
