@@ -157,6 +157,7 @@ def test_only_the_recorded_process_is_killed_even_when_stopped():
         record = process_record(proc.pid)
         assert kill_if_here(replace(record, start=str(int(record.start) + 1))) == ENDED  # a recycled pid: spared
         assert kill_if_here(replace(record, host="another-host/pid:[1]")) is None
+        assert kill_if_here(replace(record, start="")) is None  # recorded where /proc was unreadable: cannot tell
         assert proc.poll() is None
         assert kill_if_here(record) == KILLED
         assert proc.wait(timeout=10) == -signal.SIGKILL
@@ -205,6 +206,7 @@ def test_a_launcher_on_its_way_out_counts_as_dead_before_its_ranks_are_reparente
         assert not is_exiting(proc.pid)
         monkeypatch.setitem(launch_guard._watch, "parent", os.getppid())  # the parent does not change
         monkeypatch.setitem(launch_guard._watch, "launcher", proc.pid)
+        monkeypatch.setitem(launch_guard._watch, "launcher_start", launch_guard.process_record(proc.pid).start)
         monkeypatch.setitem(launch_guard._watch, "line", lambda: "lightning_3d: its launcher died")
         assert launch_guard.launcher_died() is None
         proc.kill()
@@ -215,6 +217,26 @@ def test_a_launcher_on_its_way_out_counts_as_dead_before_its_ranks_are_reparente
         proc.kill()
         proc.wait()
     assert is_exiting(proc.pid)  # reaped: gone
+
+
+WATCH = """
+import os, subprocess, sys
+from lightning_3d.resilience import launch_guard
+gone = subprocess.Popen([sys.executable, "-c", "pass"]); gone.wait()  # a pid nobody holds now
+for launcher in (gone.pid, os.getppid()):
+    os.environ[launch_guard.LAUNCHER] = f"{launcher}:0"
+    assert launch_guard.watch_launcher(1, end=lambda line: print("ENDED", line))
+    print(launcher == os.getppid(), launch_guard._watch["launcher"], launch_guard.launcher_died())
+    launch_guard.unwatch_launcher()
+"""
+
+
+def test_a_launcher_pid_that_is_not_an_ancestor_is_not_watched():
+    """A pid in the environment that is neither the parent nor the forkserver's parent (inherited
+    from an outer guarded job, say) is stale: it must not end the rank when that process is gone."""
+    out = subprocess.run([sys.executable, "-c", WATCH], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["False None None", f"True {os.getpid()} None"], out.stdout
 
 
 REENTRY = """

@@ -57,11 +57,18 @@ class ProcessRecord:
 
 
 def _host() -> str:
+    """Host name, pid namespace and boot id: a pid means something only inside all three (two nodes
+    with one host name share the initial namespace's inode, not the boot id)."""
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
-    return f"{socket.gethostname()}/{namespace}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{namespace}/{boot}"
 
 
 def _stat(pid: int) -> Optional[list[str]]:
@@ -91,8 +98,8 @@ def kill_if_here(record: ProcessRecord) -> Optional[str]:
     reaped, or its pid recycled: a peer on this host may have killed it a moment before); None when it
     runs elsewhere. Two ranks that notice the same silent peer both try: one kills, the other finds
     it ended, and either may be the one whose line the job prints."""
-    if record.host != _host() or record.pid == os.getpid():
-        return None
+    if not record.start or record.host != _host() or record.pid == os.getpid():
+        return None  # (no start time: /proc was unreadable when it was recorded, so nothing can be told here)
     fields = _stat(record.pid)
     if fields is None or fields[19] != record.start or fields[0] == "Z":
         return ENDED
@@ -321,7 +328,7 @@ class GuardedMultiProcessingLauncher(_MultiProcessingLauncher):
 
 
 # -- the child's side ---------------------------------------------------------------------------------------
-_watch: dict[str, Any] = {"parent": None, "launcher": None, "line": None}
+_watch: dict[str, Any] = {"parent": None, "parent_start": None, "launcher": None, "launcher_start": None, "line": None}
 
 
 def _set_parent_death_signal(signum: int) -> bool:
@@ -375,7 +382,12 @@ def watch_launcher(rank: int, end: Callable[[str], None]) -> bool:
     if threading.current_thread() is threading.main_thread():
         signal.signal(DEATH_SIGNAL, lambda signum, frame: end(line()))
         _set_parent_death_signal(DEATH_SIGNAL)
-    _watch.update(parent=parent, launcher=pid, line=line)
+    _watch.update(parent=parent, parent_start=None, launcher=None, launcher_start=None, line=line)
+    if _proc_is_ours():  # /proc can tell an exiting launcher before the kernel reparents this rank
+        _watch.update(parent_start=_start_of(parent))
+        of_parent = _stat(parent)  # the launcher is the parent, or the forkserver's parent; any other pid is stale
+        if pid == parent or (of_parent is not None and of_parent[1] == str(pid)):
+            _watch.update(launcher=pid, launcher_start=_start_of(pid))
     if launcher_died():  # it died before the request was in place
         end(line())
     return True
@@ -385,29 +397,45 @@ def unwatch_launcher() -> None:
     """After training: a rank that outlives its launcher by a moment at the end of a run is fine."""
     if _watch["parent"] is not None:
         _set_parent_death_signal(0)
-        _watch.update(parent=None, launcher=None, line=None)
+        _watch.update(parent=None, parent_start=None, launcher=None, launcher_start=None, line=None)
 
 
 _PF_EXITING = 0x4  # in /proc/<pid>/stat's flags: the process has begun to exit
-_HAS_PROC = os.path.exists("/proc/self/stat")
 
 
-def is_exiting(pid: int) -> bool:
-    """Whether process ``pid`` is gone or on its way out. Linux marks a process exiting first, closes
-    its sockets later and reparents its children last: a rank that sees the launcher's store or gloo
-    connection drop may still read the old parent from ``getppid()``, but never an unmarked launcher."""
-    if not _HAS_PROC:  # (cannot tell: only a changed parent counts)
-        return False
+def _proc_is_ours() -> bool:
+    """Whether /proc describes this process's pid namespace (not so in a sandbox that unshared the
+    namespace without remounting /proc, nor off Linux): this process's own entry names its parent."""
+    fields = _stat(os.getpid())
+    return fields is not None and fields[1] == str(os.getppid())
+
+
+def _start_of(pid: int) -> Optional[str]:
     fields = _stat(pid)
-    return fields is None or fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING != 0
+    return fields[19] if fields is not None else None
+
+
+def is_exiting(pid: int, start: Optional[str] = None) -> bool:
+    """Whether process ``pid`` (started at ``start``, when given) is gone or on its way out. Linux
+    marks a process exiting first, closes its sockets later and reparents its children last: a rank
+    that sees the launcher's store or gloo connection drop may still read the old parent from
+    ``getppid()``, but never an unmarked launcher. Only meaningful where ``_proc_is_ours()``."""
+    fields = _stat(pid)
+    if fields is None or fields[0] in ("Z", "X") or (start is not None and fields[19] != start):
+        return True
+    return int(fields[6]) & _PF_EXITING != 0
 
 
 def launcher_died() -> Optional[str]:
-    """The one-line report if this rank's launcher is gone or exiting (its parent changed, or the
-    launcher or the parent is marked exiting), else None."""
+    """The one-line report if this rank's launcher is gone or exiting (its parent changed; or, where
+    /proc can be read, the parent or the launcher is marked exiting, a zombie or gone), else None."""
     parent = _watch["parent"]
     if parent is None:
         return None
-    if os.getppid() == parent and not is_exiting(parent) and not is_exiting(_watch["launcher"]):
-        return None
-    return _watch["line"]()
+    if os.getppid() != parent:
+        return _watch["line"]()
+    if _watch["parent_start"] is not None and is_exiting(parent, _watch["parent_start"]):
+        return _watch["line"]()
+    if _watch["launcher"] is not None and is_exiting(_watch["launcher"], _watch["launcher_start"]):
+        return _watch["line"]()
+    return None
