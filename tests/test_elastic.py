@@ -73,8 +73,11 @@ def _elastic_job(out: Path, kill_after_step: int, fault: str = "node") -> tuple[
         subprocess.Popen(
             [TORCHRUN, "--nnodes=3:4", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", f"--rdzv-conf={conf}",
-             str(WORKER), str(out), "elastic_node", "20"],
-            env=ENV, stdout=open(out / f"agent{node}.log", "w"), stderr=subprocess.STDOUT,
+             str(WORKER), str(out), "elastic_node", "60"],
+            # a restarted 6-rank world may take over 20 s to form on two loaded cores (seen once: three
+            # restarts spent on gloo's connectFullMesh); the heartbeats keep their 20 s
+            env={**ENV, "LIGHTNING_3D_HEARTBEAT_TIMEOUT": "20"},
+            stdout=open(out / f"agent{node}.log", "w"), stderr=subprocess.STDOUT,
         )
         for node in range(4)
     ]
