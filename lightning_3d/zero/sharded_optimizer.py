@@ -122,10 +122,21 @@ class _Bucket:
     owners: Optional[dist.ProcessGroup] = None  # the ranks holding these parameters (None: this one alone)
     partial: bool = False  # held by fewer ranks than the data-parallel group (expert slices)
     partial_sum: Optional[dist.ProcessGroup] = None  # sequence-parallel replicas: the tp group each reduction is summed over
+    _grad_views: list[Tensor] = field(default_factory=list, repr=False)  # of _grad_views_of, one per parameter
+    _grad_views_of: Optional[Tensor] = field(default=None, repr=False)
 
     def view(self, buf: Tensor, i: int) -> Tensor:
         p = self.params[i]
         return buf[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+    def grad_views(self) -> list[Tensor]:
+        """Each parameter's view of ``grad_buf`` (stages 0-1), made once per buffer: the same objects are
+        handed out as ``param.grad`` at every step, so that "is this gradient still its view?" is an
+        identity test and a step creates no tensors here."""
+        if self._grad_views_of is not self.grad_buf:
+            self._grad_views = [self.view(self.grad_buf, i) for i in range(len(self.params))]
+            self._grad_views_of = self.grad_buf
+        return self._grad_views
 
     def slice_of(self, buf: Tensor) -> Tensor:
         return buf[self.shard_start : self.shard_start + self.shard_size]
@@ -184,8 +195,8 @@ class ShardedGradients(BucketedBackward[_Bucket]):
         if self._transient(bucket):
             self._stage(bucket, index, param)
         else:
-            view = bucket.view(bucket.grad_buf, index)
-            if param.grad is not view:  # autograd created a fresh tensor (grad was None)
+            view = bucket.grad_views()[index]
+            if param.grad is not view:  # autograd created a fresh tensor (grad was None, or replaced)
                 view.copy_(param.grad)
                 param.grad = view
         bucket.present[index] = True
@@ -396,8 +407,8 @@ class ZeroOptimizer:
                 bucket.segments.append(segment)
         if self.stage < 2:
             bucket.grad_buf = torch.zeros(padded, dtype=self.compute_dtype, device=device)
-            for i, p in enumerate(params):
-                p.grad = bucket.view(bucket.grad_buf, i)
+            for p, view in zip(params, bucket.grad_views()):
+                p.grad = view
         # Slice ranges whose squares count toward the global norm on this rank: tensor-parallel
         # shards always; replicated parameters only on tp rank 0.
         for segment in bucket.segments:
@@ -445,8 +456,9 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             if bucket.grad_buf is not None:
                 bucket.grad_buf.zero_()
-                for i, p in enumerate(bucket.params):
-                    p.grad = bucket.view(bucket.grad_buf, i)
+                for p, view in zip(bucket.params, bucket.grad_views()):
+                    if p.grad is not view:
+                        p.grad = view
             else:
                 bucket.grad_shard = None
                 for p in bucket.params:
