@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import lightning as L
@@ -129,3 +131,25 @@ def run_fault_worker(*argv: str) -> None:
     script = Path(__file__).resolve().parent / "scripts" / "fault_worker.py"
     sys.argv = [str(script), *argv]
     runpy.run_path(str(script), run_name="__main__")
+
+
+@contextmanager
+def host_reads_logged(log: list[str]) -> Iterator[None]:
+    """Record every read of a tensor's value by the host (each one a device sync on a GPU)."""
+    names = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def logged(name: str) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            log.append(name + " at " + "".join(traceback.format_stack(limit=4)[:-1]))
+            return saved[name](self, *args, **kwargs)
+
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, logged(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)

@@ -38,7 +38,7 @@ from lightning_3d.models import GPT, GPTConfig, GPTModule
 from lightning_3d.plugins.precision import ThreeDPrecision
 from lightning_3d.testing.harness import run_on_ranks
 from lightning_3d.zero.sharded_optimizer import ZeroOptimizer
-from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
+from tests.helpers import TINY_GPT, LossRecorder, host_reads_logged, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.matrix import Cell, MatrixGPT, check_cell, reference_of, run_cell, run_references
 from tests.test_zero import MetaGPT
 
@@ -237,13 +237,15 @@ def masked_replica() -> dict[str, float]:
     model = GPT(config).train()
     normalize_over_data_parallel(model, gpt_sequence(model), dist.group.WORLD)
     mine = slice(0, 2) if dist.get_rank() == 0 else slice(2, 4)
-    loss = model(ids[mine], targets[mine])
+    reads: list[str] = []
+    with host_reads_logged(reads):  # counting targets and rescaling waits for nothing on the device
+        loss = model(ids[mine], targets[mine])
     loss.backward()
     error = 0.0
     for p, r in zip(model.parameters(), reference.parameters()):
         dist.all_reduce(p.grad)
         error = max(error, float((p.grad / 2 - r.grad).abs().max()))
-    return {"loss_finite": float(torch.isfinite(loss)), "grad_error": error}
+    return {"loss_finite": float(torch.isfinite(loss)), "grad_error": error, "host_reads": reads}
 
 
 class PromptMasked(GPTModule):
@@ -738,6 +740,9 @@ def test_a_replica_without_targets_contributes_nothing_not_nan(dp2):
     for r in dp2:
         run = result_of(r, "masked_replica")
         assert run["loss_finite"] == 1.0 and run["grad_error"] < 1e-6
+        # the target count and its all-reduce stay on the device: on a GPU a host read here would
+        # make every training forward wait for itself before the backward can be queued
+        assert run["host_reads"] == [], run["host_reads"][0]
 
 
 def test_a_sampler_that_repeats_samples_is_reported(dp2):

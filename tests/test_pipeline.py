@@ -3,9 +3,7 @@ layout invariance up to dp2 x tp2 x pp2, weight updates, shapes that change, che
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ from lightning_3d.pipeline.schedules import simulate_named
 from lightning_3d.pipeline.sequences import HeadOutput, LayerSequence
 from lightning_3d.pipeline.simulator import CommDeadlock, PlanError, ScheduleDeadlock, check_plan, check_schedule, simulate
 from lightning_3d.testing.harness import RankError, run_on_ranks
-from tests.helpers import TINY_GPT, LossRecorder, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
+from tests.helpers import TINY_GPT, LossRecorder, host_reads_logged, quiet_trainer, result_of, run_checks, tiny_data, tiny_gpt
 from tests.test_tensor_parallel_training import HFCausalLM
 
 STEPS = 5  # optimizer steps of the parity runs (docs/testing.md: at least 3)
@@ -387,28 +385,6 @@ def test_large_activations_on_plain_gloo(wide_reference):
                 assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5), key
                 for n, g in step["grads"].items():
                     np.testing.assert_allclose(g, ref["grads"][n], rtol=1e-4, atol=1e-8, err_msg=f"{key} {n}")
-
-
-@contextmanager
-def host_reads_logged(log: list[str]) -> Iterator[None]:
-    """Record every read of a tensor's value by the host (each one a device sync on a GPU)."""
-    names = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def logged(name: str) -> Callable[..., Any]:
-        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            log.append(name + " at " + "".join(traceback.format_stack(limit=4)[:-1]))
-            return saved[name](self, *args, **kwargs)
-
-        return read
-
-    for name in names:
-        setattr(torch.Tensor, name, logged(name))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 def host_reads_world(schedules: list[tuple[str, int]]) -> dict[str, list[str]]:

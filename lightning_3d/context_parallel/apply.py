@@ -164,7 +164,7 @@ def shard_inputs(model: nn.Module, sequence: LayerSequence, cp: ContextParallel)
             if loss is not None:
                 if torch.is_grad_enabled():
                     return out  # training: rescaled over dp x cp by the loss normalization inside
-                count = sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs))
+                count = int(sequence.target_count((sequence.loss_inputs or sequence.inputs)(args, kwargs)))
                 return sequence.with_loss(out, _combined_eval_loss(loss, count, cp))
             if isinstance(out, Tensor) and out.dim() >= 2 and out.shape[1] == length // cp.size:
                 return cp.gather(out)

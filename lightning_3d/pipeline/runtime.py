@@ -275,7 +275,7 @@ class PipelineRuntime:
         In training the batch is the global one over data-parallel replicas (see loss_normalization);
         that factor stays on the device (no host read before the schedule starts). Auxiliary losses
         (means over sequences) get each micro-batch's share of the sequences (``_aux_weights``)."""
-        counts = [self.sequence.target_count(mb) for mb in micro]
+        counts = [int(self.sequence.target_count(mb)) for mb in micro]  # (host ints: the weights are host math)
         total = sum(counts)
         sizes = [batch_size(mb) for mb in micro]
         scale: Union[float, Tensor] = 1.0

@@ -10,7 +10,7 @@ own by defining ``pipeline_sequence(self) -> LayerSequence``. This module knows 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from torch import Tensor, nn
 
@@ -36,7 +36,9 @@ class LayerSequence:
         block: ``(layer, hidden, inputs)`` -> hidden states.
         head: ``(hidden, inputs)`` -> :class:`HeadOutput` (the loss when targets are present).
         target_count: how many targets a micro-batch's loss averages over (weights micro-batch losses,
-            so uneven micro-batches and ignored labels give the full-batch mean).
+            so uneven micro-batches and ignored labels give the full-batch mean): an int, or a 0-dim
+            integer tensor on the inputs' device, which the data-parallel loss rescaling uses
+            without reading it on the host.
         output: ``(loss, logits)`` -> what ``forward`` returns at ``pipeline_parallel=1``.
         loss_of: what ``forward`` returned -> its loss (``None`` without targets).
         with_loss: ``(what forward returned, new loss)`` -> the same output carrying the new loss.
@@ -62,7 +64,7 @@ class LayerSequence:
     embed: Callable[[Inputs], Tensor]
     block: Callable[[nn.Module, Tensor, Inputs], Tensor]
     head: Callable[[Tensor, Inputs], HeadOutput]
-    target_count: Callable[[Inputs], int]
+    target_count: Callable[[Inputs], Union[int, Tensor]]
     output: Callable[[Optional[Tensor], Optional[Tensor]], Any]
     loss_of: Callable[[Any], Optional[Tensor]] = field(default=lambda out: _tensor_loss_of(out))
     with_loss: Callable[[Any, Tensor], Any] = field(default=lambda out, loss: loss)

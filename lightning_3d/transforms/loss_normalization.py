@@ -13,7 +13,10 @@ gradient all-reduce and ``self.log(..., sync_dist=True)`` compute -- is exactly 
 With balanced counts the factor is exactly 1. The pipeline runtime applies the same factor to its
 micro-batch weights. Evaluation keeps per-replica means (no extra collective outside training).
 
-The count's all-reduce is one scalar per forward; it is a device tensor (NCCL-safe).
+The count's all-reduce is one scalar per forward; it is a device tensor (NCCL-safe). A model whose
+``target_count`` returns a device tensor (ours and the Hugging Face adapters do) is counted, reduced
+and rescaled without a host read: on a GPU, ``int(count)`` would make every training forward wait
+for the device before the host could queue the backward.
 
 A loss that includes auxiliary terms averaged over sequences rather than targets (an MoE layer's
 balance and z-losses; the model says which part: ``LayerSequence.aux_in_loss``) has that part
@@ -24,7 +27,7 @@ same all-reduce): with masked targets spread unevenly, the target factor would w
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -34,18 +37,33 @@ from lightning_3d.core.forward_wrappers import wrap_forward
 from lightning_3d.pipeline.sequences import LayerSequence
 
 
-def data_parallel_factor(local: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+Count = Union[int, Tensor]  # a host int, or a 0-dim integer tensor on the device (read nowhere)
+
+
+def data_parallel_factor(local: Count, group: dist.ProcessGroup, device: torch.device) -> Tensor:
     """``local * dp / global``: turns a replica's mean into its share of the batch mean (1 when balanced)."""
     return data_parallel_factors([local], group, device)[0]
 
 
-def data_parallel_factors(counts: list[int], group: dist.ProcessGroup, device: torch.device) -> Tensor:
-    """:func:`data_parallel_factor` of several counts at once (one all-reduce of ``len(counts)`` values)."""
-    local = torch.tensor([float(c) for c in counts], device=device)
+def data_parallel_factors(counts: list[Count], group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    """:func:`data_parallel_factor` of several counts at once (one all-reduce of ``len(counts)`` values).
+    Host ints become device values by a fill, not a copy from pageable memory (which would wait for
+    the stream); the sum is exact in int64, the factor float32 as the loss math expects."""
+    local = torch.stack(
+        [c.reshape(()).to(torch.int64) if isinstance(c, Tensor) else torch.full((), int(c), dtype=torch.int64, device=device) for c in counts]
+    )
     total = local.clone()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    return local * dist.get_world_size(group) / total.clamp(min=1.0)
+    return local.float() * dist.get_world_size(group) / total.float().clamp(min=1.0)
+
+
+def zero_without_targets(mean: Tensor, count: Count) -> Tensor:
+    """A replica whose targets are all masked has mean 0/0; its share of the batch is zero (no host
+    read when ``count`` is a device tensor)."""
+    if isinstance(count, Tensor):
+        return torch.where(count > 0, mean, mean.nan_to_num(0.0))
+    return mean.nan_to_num(0.0) if count == 0 else mean
 
 
 def batch_size(inputs: dict[str, Any]) -> int:
@@ -74,8 +92,7 @@ def normalize_over_data_parallel(model: nn.Module, sequence: LayerSequence, grou
             else:  # the auxiliary part is a mean over sequences: weighed by sequences
                 factor, per_sequence = data_parallel_factors([count, batch_size(inputs)], group, loss.device).to(loss.dtype)
                 main = loss - aux
-            if count == 0:  # this replica's targets are all masked: its mean is 0/0, its share is zero
-                main = main.nan_to_num(0.0)
+            main = zero_without_targets(main, count)
             scaled = main * factor if aux is None else main * factor + aux * per_sequence
             return sequence.with_loss(out, scaled)
 

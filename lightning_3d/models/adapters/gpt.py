@@ -108,7 +108,7 @@ def gpt_sequence(model: nn.Module) -> LayerSequence:
         block=lambda layer, x, batch: layer(x),
         head=head,
         # the loss averages over the targets that are not masked: weigh micro-batches by those
-        target_count=lambda batch: int((batch["targets"] != IGNORE_INDEX).sum()) if batch["targets"] is not None else 0,
+        target_count=lambda batch: (batch["targets"] != IGNORE_INDEX).sum() if batch["targets"] is not None else 0,
         output=lambda loss, logits: loss if loss is not None else logits,
         aux_loss=take_aux_losses if model.config.n_experts else None,
         aux_in_loss=(lambda out: getattr(out, "aux_loss", None)) if model.config.n_experts else None,

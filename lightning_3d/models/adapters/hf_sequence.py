@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -67,13 +67,14 @@ def hf_loss_inputs(args: tuple, kwargs: dict) -> Inputs:
     return {"labels": kwargs.get("labels"), "shift_labels": kwargs.get("shift_labels")}
 
 
-def hf_target_count(batch: Inputs) -> int:
-    """Targets HF's causal-LM loss averages over: labels after the shift that are not -100."""
+def hf_target_count(batch: Inputs) -> Union[int, Tensor]:
+    """Targets HF's causal-LM loss averages over: labels after the shift that are not -100 (a device
+    count: nothing read on the host)."""
     shifted = batch.get("shift_labels")
     if shifted is not None:
-        return int((shifted != -100).sum())
+        return (shifted != -100).sum()
     labels = batch["labels"]
-    return int((labels[..., 1:] != -100).sum()) if labels is not None else 0
+    return (labels[..., 1:] != -100).sum() if labels is not None else 0
 
 
 def hf_output(loss: Optional[Tensor], logits: Optional[Tensor]) -> Any:
