@@ -307,6 +307,32 @@ def used_vote_rides_the_finite_vote() -> dict[str, Any]:
             "side": model.side.weight.detach().reshape(-1).tolist()}
 
 
+def gradient_views_follow_the_buffer() -> dict[str, Any]:
+    """ZeRO-1's gradients are kept views of one buffer: a gradient autograd replaced is copied back into
+    its view, and views a module move re-pointed elsewhere are remade at the next ``zero_grad``."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY_GPT))
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), dist.group.WORLD, stage=1, bucket_bytes=4_000)
+
+    def in_buffer() -> bool:
+        return all(p.grad.untyped_storage().data_ptr() == b.grad_buf.untyped_storage().data_ptr() for b in opt.buckets for p in b.params)
+
+    views = {p: p.grad for p in model.parameters()}
+    seen: list[bool] = []  # at each gradient's arrival, after the optimizer's own hook ran: still its view?
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is views[p])) for p in model.parameters()]
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+    for hook in hooks:
+        hook.remove()
+    kept = len(seen) == len(views) and all(seen)  # accumulated in place, not replaced by a fresh view
+    opt.grads.after_backward()
+    opt.step()
+    for p in model.parameters():  # what Module._apply does on a device move: p.grad.data re-pointed
+        p.grad.data = p.grad.data.clone()
+    moved = in_buffer()
+    opt.zero_grad()
+    return {"kept": kept, "moved_away": not moved, "back_in_buffer": in_buffer()}
+
+
 def dp2_world(tmp: str) -> dict[str, Any]:
     checks: dict[str, Any] = {f"parity{s}": (lambda s=s: parity_run(s)) for s in range(4)}
     checks.update({f"bf16_{s}": (lambda s=s: parity_run(s, precision="bf16-mixed")) for s in (1, 2, 3)})
@@ -320,6 +346,7 @@ def dp2_world(tmp: str) -> dict[str, Any]:
     checks.update({f"reuse{s}": (lambda s=s: fit_then_evaluate(s)) for s in (2, 3)})
     checks["step_in_rounds"] = step_in_rounds
     checks["used_vote"] = used_vote_rides_the_finite_vote
+    checks["gradient_views"] = gradient_views_follow_the_buffer
     return run_checks(checks)
 
 
@@ -502,3 +529,8 @@ def test_step_rounds_are_consecutive_balanced_and_cover_every_bucket() -> None:
         assert all(rounds) and len(rounds) <= min(8, len(sizes))
     even = _rounds([(i, None, torch.empty(5)) for i in range(16)], 8)  # type: ignore[arg-type]
     assert [len(r) for r in even] == [2] * 8
+
+
+def test_zero1_gradients_stay_views_of_their_buffer(dp2) -> None:
+    for r in dp2:
+        assert result_of(r, "gradient_views") == {"kept": True, "moved_away": True, "back_in_buffer": True}

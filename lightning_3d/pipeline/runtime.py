@@ -273,7 +273,8 @@ class PipelineRuntime:
     def _weights(self, micro: list[Inputs], train: bool) -> list[Union[float, Tensor]]:
         """Each micro-batch's share of the batch loss: its count of (unmasked) targets over the batch's.
         In training the batch is the global one over data-parallel replicas (see loss_normalization);
-        that factor stays on the device (no host read before the schedule starts). Auxiliary losses
+        that factor stays on the device. The counts themselves are host ints here: a model that counts
+        unmasked targets on the device is read once per micro-batch, before the schedule starts. Auxiliary losses
         (means over sequences) get each micro-batch's share of the sequences (``_aux_weights``)."""
         counts = [int(self.sequence.target_count(mb)) for mb in micro]  # (host ints: the weights are host math)
         total = sum(counts)

@@ -49,13 +49,19 @@ def data_parallel_factors(counts: list[Count], group: dist.ProcessGroup, device:
     """:func:`data_parallel_factor` of several counts at once (one all-reduce of ``len(counts)`` values).
     Host ints become device values by a fill, not a copy from pageable memory (which would wait for
     the stream); the sum is exact in int64, the factor float32 as the loss math expects."""
-    local = torch.stack(
-        [c.reshape(()).to(torch.int64) if isinstance(c, Tensor) else torch.full((), int(c), dtype=torch.int64, device=device) for c in counts]
-    )
+    local = torch.stack([on_device(c, device) for c in counts])
     total = local.clone()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return local.float() * dist.get_world_size(group) / total.float().clamp(min=1.0)
+
+
+def on_device(count: Count, device: torch.device) -> Tensor:
+    """``count`` as a 0-dim int64 tensor on ``device`` (a model's count may sit elsewhere, e.g. a
+    user's count of host-side labels: NCCL takes device tensors only)."""
+    if isinstance(count, Tensor):
+        return count.to(device=device, dtype=torch.int64, non_blocking=True).reshape(())
+    return torch.full((), int(count), dtype=torch.int64, device=device)
 
 
 def zero_without_targets(mean: Tensor, count: Count) -> Tensor:
@@ -85,6 +91,7 @@ def normalize_over_data_parallel(model: nn.Module, sequence: LayerSequence, grou
                 return out
             inputs = (sequence.loss_inputs or sequence.inputs)(args, kwargs)
             count = sequence.target_count(inputs)
+            count = on_device(count, loss.device) if isinstance(count, Tensor) else count
             aux = sequence.aux_in_loss(out) if sequence.aux_in_loss is not None else None
             if aux is None:
                 factor = data_parallel_factor(count, group, loss.device).to(loss.dtype)

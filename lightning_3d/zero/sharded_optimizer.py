@@ -129,11 +129,14 @@ class _Bucket:
         p = self.params[i]
         return buf[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
-    def grad_views(self) -> list[Tensor]:
+    def grad_views(self, recheck: bool = False) -> list[Tensor]:
         """Each parameter's view of ``grad_buf`` (stages 0-1), made once per buffer: the same objects are
         handed out as ``param.grad`` at every step, so that "is this gradient still its view?" is an
-        identity test and a step creates no tensors here."""
-        if self._grad_views_of is not self.grad_buf:
+        identity test and a step creates no tensors here. ``recheck`` (once a step, in ``zero_grad``):
+        also remake them if they no longer share the buffer's storage (moving the module re-points
+        ``param.grad.data`` and so the views)."""
+        stale = recheck and bool(self._grad_views) and self._grad_views[0].untyped_storage().data_ptr() != self.grad_buf.untyped_storage().data_ptr()
+        if self._grad_views_of is not self.grad_buf or stale:
             self._grad_views = [self.view(self.grad_buf, i) for i in range(len(self.params))]
             self._grad_views_of = self.grad_buf
         return self._grad_views
@@ -456,7 +459,7 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             if bucket.grad_buf is not None:
                 bucket.grad_buf.zero_()
-                for p, view in zip(bucket.params, bucket.grad_views()):
+                for p, view in zip(bucket.params, bucket.grad_views(recheck=True)):
                     if p.grad is not view:
                         p.grad = view
             else:
