@@ -88,6 +88,12 @@ def process_record(pid: Optional[int] = None) -> ProcessRecord:
     return ProcessRecord(_host(), pid, fields[19] if fields else "")
 
 
+def _gone(fields: Optional[list[str]], start: Optional[str]) -> bool:
+    """From ``_stat``: the process is not (or no longer) the one started at ``start``: missing, dead
+    (a zombie), or its pid recycled."""
+    return fields is None or fields[0] in ("Z", "X") or (start is not None and fields[19] != start)
+
+
 KILLED, ENDED = "killed", "ended"
 
 
@@ -100,8 +106,7 @@ def kill_if_here(record: ProcessRecord) -> Optional[str]:
     it ended, and either may be the one whose line the job prints."""
     if not record.start or record.host != _host() or record.pid == os.getpid():
         return None  # (no start time: /proc was unreadable when it was recorded, so nothing can be told here)
-    fields = _stat(record.pid)
-    if fields is None or fields[19] != record.start or fields[0] == "Z":
+    if _gone(_stat(record.pid), record.start):
         return ENDED
     try:
         os.kill(record.pid, signal.SIGKILL)
@@ -383,10 +388,11 @@ def watch_launcher(rank: int, end: Callable[[str], None]) -> bool:
         signal.signal(DEATH_SIGNAL, lambda signum, frame: end(line()))
         _set_parent_death_signal(DEATH_SIGNAL)
     _watch.update(parent=parent, parent_start=None, launcher=None, launcher_start=None, line=line)
-    if _proc_is_ours():  # /proc can tell an exiting launcher before the kernel reparents this rank
-        _watch.update(parent_start=_start_of(parent))
-        of_parent = _stat(parent)  # the launcher is the parent, or the forkserver's parent; any other pid is stale
-        if pid == parent or (of_parent is not None and of_parent[1] == str(pid)):
+    # where /proc is this namespace's, it tells an exiting launcher before the kernel reparents this rank
+    of_parent = _stat(parent) if _proc_is_ours() else None
+    if of_parent is not None:
+        _watch.update(parent_start=of_parent[19])
+        if pid == parent or of_parent[1] == str(pid):  # the parent, or the forkserver's parent; any other pid is stale
             _watch.update(launcher=pid, launcher_start=_start_of(pid))
     if launcher_died():  # it died before the request was in place
         end(line())
@@ -421,9 +427,7 @@ def is_exiting(pid: int, start: Optional[str] = None) -> bool:
     that sees the launcher's store or gloo connection drop may still read the old parent from
     ``getppid()``, but never an unmarked launcher. Only meaningful where ``_proc_is_ours()``."""
     fields = _stat(pid)
-    if fields is None or fields[0] in ("Z", "X") or (start is not None and fields[19] != start):
-        return True
-    return int(fields[6]) & _PF_EXITING != 0
+    return _gone(fields, start) or int(fields[6]) & _PF_EXITING != 0
 
 
 def launcher_died() -> Optional[str]:

@@ -64,12 +64,10 @@ def on_device(count: Count, device: torch.device) -> Tensor:
     return torch.full((), int(count), dtype=torch.int64, device=device)
 
 
-def zero_without_targets(mean: Tensor, count: Count) -> Tensor:
-    """A replica whose targets are all masked has mean 0/0; its share of the batch is zero (no host
-    read when ``count`` is a device tensor)."""
-    if isinstance(count, Tensor):
-        return torch.where(count > 0, mean, mean.nan_to_num(0.0))
-    return mean.nan_to_num(0.0) if count == 0 else mean
+def zero_without_targets(mean: Tensor, count: Tensor) -> Tensor:
+    """A replica whose targets are all masked has mean 0/0; its share of the batch is zero (decided
+    on the device: no host read)."""
+    return torch.where(count > 0, mean, mean.nan_to_num(0.0))
 
 
 def batch_size(inputs: dict[str, Any]) -> int:
@@ -90,8 +88,7 @@ def normalize_over_data_parallel(model: nn.Module, sequence: LayerSequence, grou
             if loss is None or not (model.training and torch.is_grad_enabled()):
                 return out
             inputs = (sequence.loss_inputs or sequence.inputs)(args, kwargs)
-            count = sequence.target_count(inputs)
-            count = on_device(count, loss.device) if isinstance(count, Tensor) else count
+            count = on_device(sequence.target_count(inputs), loss.device)
             aux = sequence.aux_in_loss(out) if sequence.aux_in_loss is not None else None
             if aux is None:
                 factor = data_parallel_factor(count, group, loss.device).to(loss.dtype)
